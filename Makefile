@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine; both create/refresh .venv and are safe to run twice.
+#   make train   set up, then train the embedded default (PPO on a tiny Llama, CPU, a few minutes)
+#   make test    set up, then run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# the pinned CPU build first: a bare `torch` requirement would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+train: setup
+	$(BIN)/chatlearn train $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check chatlearn flows tests bench
+
+bench: setup
+	$(BIN)/python bench/episode_overhead.py
+
+clean:
+	rm -rf output .pytest_cache

@@ -1,0 +1,50 @@
+"""RL algorithm math (pure tensor functions) and the registries the trainer resolves names through.
+
+Importing this package registers the built-in PPO pieces: advantage estimator
+``"gae"``, policy loss ``"ppo_clip"`` and value loss ``"ppo_clip"``.
+"""
+
+# ppo.py imports the registry itself, so importing it here registers the built-ins.
+from chatlearn.algorithms.ppo import (
+    gae_advantages_and_returns,
+    kl_penalized_rewards,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    ppo_clipped_policy_loss,
+    ppo_clipped_value_loss,
+)
+from chatlearn.algorithms.registry import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    VALUE_LOSSES,
+    get_advantage_estimator,
+    get_policy_loss,
+    get_value_loss,
+    register_advantage_estimator,
+    register_policy_loss,
+    register_value_loss,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "POLICY_LOSSES",
+    "VALUE_LOSSES",
+    "gae_advantages_and_returns",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "get_value_loss",
+    "kl_penalized_rewards",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_clipped_policy_loss",
+    "ppo_clipped_value_loss",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "register_value_loss",
+]

@@ -1,0 +1,86 @@
+"""Name -> function registries for the pluggable pieces of the RL math.
+
+The trainer never imports a concrete algorithm: it reads names from the config
+(``advantage_estimator: gae``, ``policy_loss: ppo_clip``, ...) and resolves them
+here.  A new algorithm (GRPO advantages, a DPO-style loss, ...) therefore plugs
+in by decorating a pure tensor function in its own module and importing that
+module once; no trainer code changes.
+
+There are three separate registries rather than one keyed by ``(kind, name)``
+because the same short name (``"ppo_clip"``) legitimately names both a policy
+loss and a value loss, and because each kind has its own call contract:
+
+* advantage estimator: ``fn(*, rewards, values, mask, **hparams) -> (advantages, returns)``
+* policy loss: ``fn(logprobs, old_logprobs, advantages, mask, **hparams) -> (loss, stats)``
+* value loss: ``fn(values, old_values, returns, mask, **hparams) -> (loss, stats)``
+"""
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {}
+POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
+VALUE_LOSSES: dict[str, Callable[..., Any]] = {}
+
+
+def _register(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
+    """Build a decorator that stores ``fn`` under ``name`` and returns ``fn`` unchanged.
+
+    Registering a *different* function under a taken name is an error: silently
+    replacing e.g. ``"gae"`` would change training behaviour depending on import
+    order, which is very hard to debug.  Re-registering the very same object is
+    allowed so that importing a module twice is harmless.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{kind} name must be a non-empty string, got {name!r}")
+
+    def decorator(fn: F) -> F:
+        existing = registry.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(
+                f"{kind} {name!r} is already registered to {existing.__module__}.{existing.__qualname__}"
+            )
+        registry[name] = fn
+        return fn
+
+    return decorator
+
+
+def _get(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[..., Any]:
+    """Look ``name`` up, failing with the list of known names (a config typo is the usual cause)."""
+    try:
+        return registry[name]
+    except KeyError:
+        raise KeyError(f"Unknown {kind} {name!r}; known: {sorted(registry)}") from None
+
+
+def register_advantage_estimator(name: str) -> Callable[[F], F]:
+    """Decorator: register an advantage estimator returning ``(advantages[B,T], returns[B,T])``."""
+    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def register_policy_loss(name: str) -> Callable[[F], F]:
+    """Decorator: register a policy loss returning ``(loss scalar, stats dict[str, float])``."""
+    return _register(POLICY_LOSSES, "policy loss", name)
+
+
+def register_value_loss(name: str) -> Callable[[F], F]:
+    """Decorator: register a value (critic) loss returning ``(loss scalar, stats dict[str, float])``."""
+    return _register(VALUE_LOSSES, "value loss", name)
+
+
+def get_advantage_estimator(name: str) -> Callable[..., Any]:
+    """Return the advantage estimator registered as ``name``; ``KeyError`` lists the known names."""
+    return _get(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def get_policy_loss(name: str) -> Callable[..., Any]:
+    """Return the policy loss registered as ``name``; ``KeyError`` lists the known names."""
+    return _get(POLICY_LOSSES, "policy loss", name)
+
+
+def get_value_loss(name: str) -> Callable[..., Any]:
+    """Return the value loss registered as ``name``; ``KeyError`` lists the known names."""
+    return _get(VALUE_LOSSES, "value loss", name)

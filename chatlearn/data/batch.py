@@ -1,0 +1,81 @@
+"""Batches as plain dicts of tensors, and the split/collate pair that moves between batches and samples.
+
+A batch carries left-padded prompts (`prompt_ids`, `prompt_mask`, shape [B, P]) and right-padded responses
+(`response_ids`, `response_mask`, [B, R]); every other 2-D tensor is aligned with the response tokens
+([B, R], e.g. log-probs, values, advantages), every 1-D tensor is one number per sample ([B], e.g. scores),
+and lists hold one Python object per sample (prompt text, answers). Splitting a batch into per-sample dicts
+drops the padding, so samples from batches of different shapes can be re-batched freely (micro-batches are
+not generation batches).
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+
+
+def batch_size(batch: dict[str, Any]) -> int:
+    """Number of samples in a batch dict."""
+    for value in batch.values():
+        return len(value)
+    return 0
+
+
+def split_batch(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-sample dicts with the padding removed."""
+    n = batch_size(batch)
+    prompt_len = batch["prompt_mask"].sum(-1).tolist() if "prompt_mask" in batch else None
+    resp_len = batch["response_mask"].sum(-1).long().tolist() if "response_mask" in batch else None
+    samples: list[dict[str, Any]] = [{} for _ in range(n)]
+    for key, value in batch.items():
+        for i in range(n):
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                if key in PROMPT_KEYS:
+                    samples[i][key] = value[i, value.shape[1] - int(prompt_len[i]) :].clone()
+                else:
+                    samples[i][key] = value[i, : int(resp_len[i])].clone()
+            elif isinstance(value, torch.Tensor):
+                samples[i][key] = value[i].clone()
+            else:
+                samples[i][key] = value[i]
+    return samples
+
+
+def collate_samples(samples: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:
+    """Inverse of `split_batch`: left-pad prompt tensors, right-pad response-aligned tensors."""
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    out: dict[str, Any] = {}
+    for key, first in samples[0].items():
+        values = [s[key] for s in samples]
+        if isinstance(first, torch.Tensor) and first.dim() == 1:
+            width = max(v.shape[0] for v in values)
+            pad = pad_token_id if key in ("prompt_ids", "response_ids") else 0
+            stacked = torch.full((len(values), width), pad, dtype=first.dtype)
+            for i, v in enumerate(values):
+                if key in PROMPT_KEYS:
+                    stacked[i, width - v.shape[0] :] = v
+                else:
+                    stacked[i, : v.shape[0]] = v
+            out[key] = stacked
+        elif isinstance(first, torch.Tensor):
+            out[key] = torch.stack(values)
+        else:
+            out[key] = list(values)
+    return out
+
+
+def merge_batches(*batches: dict[str, Any]) -> dict[str, Any]:
+    """Union of the keys of several outputs for the same samples (later outputs win on clashes)."""
+    merged: dict[str, Any] = {}
+    for b in batches:
+        merged.update(b)
+    return merged
+
+
+def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:
+    """One batch from several (re-padded through the per-sample form)."""
+    samples = [s for b in batches for s in split_batch(b)]
+    return collate_samples(samples, pad_token_id)

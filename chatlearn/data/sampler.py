@@ -1,0 +1,45 @@
+"""Which prompts each episode generates from, ChatLearn's `EpisodeDataSampler` rules, as pure functions.
+
+The stream of prompt indices starts at `consumed_samples` and wraps around the dataset forever. It is cut
+into global batches of `generation_batch_size * num_replica` indices (the last batch of an episode is short
+when `sample_per_episode` is not a multiple), and each global batch is split near-evenly across the policy
+replicas, earlier replicas taking the extra item. Everything is a function of (dataset size,
+`consumed_samples`), so a resumed run sees exactly the prompts the uninterrupted run would have.
+"""
+
+
+def split_index(length: int, num_splits: int) -> list[tuple[int, int]]:
+    """Near-equal contiguous [start, end) ranges; e.g. 10 into 3 -> (0,4), (4,7), (7,10)."""
+    base, extra = divmod(length, num_splits)
+    out, start = [], 0
+    for i in range(num_splits):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def episode_prompt_batches(
+    dataset_size: int, consumed_samples: int, sample_per_episode: int, batch_size: int, num_replica: int
+) -> list[tuple[int, list[int]]]:
+    """(replica, prompt indices) for every generation batch of one episode, in dispatch order."""
+    if dataset_size <= 0:
+        raise ValueError("the prompt dataset is empty")
+    out: list[tuple[int, list[int]]] = []
+    produced = 0
+    position = consumed_samples
+    while produced < sample_per_episode:
+        n = min(batch_size * num_replica, sample_per_episode - produced)
+        global_batch = [(position + k) % dataset_size for k in range(n)]
+        position += n
+        produced += n
+        for replica, (start, end) in enumerate(split_index(n, num_replica)):
+            if end > start:
+                out.append((replica, global_batch[start:end]))
+    return out
+
+
+def eval_prompt_batches(dataset_size: int, batch_size: int, num_replica: int) -> list[tuple[int, list[int]]]:
+    """The whole eval set once, no wrap-around, batches dealt round-robin over the replicas."""
+    batches = [list(range(s, min(s + batch_size, dataset_size))) for s in range(0, dataset_size, batch_size)]
+    return [(i % num_replica, b) for i, b in enumerate(batches)]

@@ -1,0 +1,109 @@
+"""ChatLearn's module API: one model's user code, hosted by the framework inside Ray actors.
+
+A user subclasses `BaseModule` (or `TorchModule`) and fills in `setup`, `forward_step(data, iteration)`,
+`train_step(data_list, iteration)`, `eval_step`, `save_checkpoint`, `load_checkpoint` and, for the first
+model of an engine (the data producer), `build_dataset`. The framework owns scheduling: it creates the actors
+from the model's `ModelConfig`, binds the configs, calls `setup` once, then streams batches through the
+methods. `__init__` must stay cheap: the object is built on the driver and shipped to its actors.
+"""
+
+import os
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
+
+
+class BaseModule:
+    """One model of an engine (policy, reference, reward, ...), in ChatLearn's vocabulary.
+
+    `args_schema`, when set, is a pydantic model that validates `models.<name>.args_dict` before any Ray or
+    Prefect resource exists; `self.args` is then the parsed instance.
+    """
+
+    args_schema: ClassVar[type[BaseModel] | None] = None
+
+    def __init__(self, name: str):
+        self.name = name
+        self._module_args: ModelConfig | None = None
+        self._runtime_args: RuntimeConfig | None = None
+        self.replica_id = 0
+        self.seed = 0
+        self.run_dir = "."
+        self.args: Any = None
+
+    # -- wiring done by the framework, before setup() -------------------------------------------------------
+    def bind(self, module_args: ModelConfig, runtime_args: RuntimeConfig, replica_id: int, seed: int) -> None:
+        """Attach configs; called on the actor before `setup`."""
+        self._module_args = module_args
+        self._runtime_args = runtime_args
+        self.replica_id = replica_id
+        self.seed = seed
+        self.run_dir = runtime_args.run_dir
+        if self.args_schema is not None:
+            self.args = self.args_schema.model_validate(module_args.args_dict or {})
+
+    @property
+    def module_args(self) -> ModelConfig:
+        assert self._module_args is not None, f"module {self.name} is not bound to a config yet"
+        return self._module_args
+
+    @property
+    def runtime_args(self) -> RuntimeConfig:
+        assert self._runtime_args is not None, f"module {self.name} is not bound to a config yet"
+        return self._runtime_args
+
+    @property
+    def model_args(self) -> dict[str, Any]:
+        """The backend's own hyper-parameters (`args_dict`, filled from `model_config_file`)."""
+        return dict(self.module_args.args_dict or {})
+
+    @property
+    def trainable(self) -> bool:
+        return bool(self.module_args.trainable)
+
+    def checkpoint_dir(self, iteration: int) -> str:
+        """Where this model's checkpoint for a trainer iteration lives: run_dir/checkpoints/<name>/iter_N."""
+        return os.path.join(self.run_dir, "checkpoints", self.name, f"iter_{iteration:07d}")
+
+    # -- user API -------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Build models, tokenizers and optimizers. Runs once per actor."""
+
+    def build_dataset(self, prompts: list[Any], is_eval: bool = False) -> Any:
+        """Turn raw prompt records into an indexable dataset (first model of the engine only)."""
+        return list(prompts)
+
+    def collate_fn(self, items: list[Any]) -> Any:
+        """Combine dataset items into the batch handed to `forward_step`/`eval_step`."""
+        return items
+
+    def forward_step(self, data: Any, iteration: int) -> Any:
+        """Inference on one batch; `data` is the merged output of the upstream models (or a prompt batch)."""
+        raise NotImplementedError(f"{type(self).__name__}.forward_step")
+
+    def train_step(self, data_list: list[Any], iteration: int) -> dict[str, float]:
+        """One optimizer step over `data_list` (the micro-batches of one global batch)."""
+        raise NotImplementedError(f"{type(self).__name__}.train_step")
+
+    def eval_step(self, data: Any) -> Any:
+        """Inference for evaluation; defaults to `forward_step`."""
+        return self.forward_step(data, 0)
+
+    def save_checkpoint(self, iteration: int) -> str | None:
+        """Save the trainable state for `iteration`; returns where it went."""
+        return None
+
+    def load_checkpoint(self, iteration: int) -> None:
+        """Restore the state saved by `save_checkpoint(iteration)`."""
+
+    def before_episode(self) -> None:
+        """Hook run at the start of each episode."""
+
+    def after_episode(self) -> None:
+        """Hook run at the end of each episode."""
+
+    def peak_memory(self) -> float:
+        """Peak memory of this process in MiB (GPU when the model is on one)."""
+        return 0.0

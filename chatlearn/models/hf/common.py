@@ -1,0 +1,86 @@
+"""Shared pieces of the built-in Hugging Face modules: loading, and the token-level forward passes.
+
+Prompts are left-padded and responses right-padded (see `chatlearn.data.batch`). Position ids are derived
+from the attention mask so a padded prompt sees the same positions it would unpadded, in generation and in
+scoring alike; otherwise the trainer's log-probs would not match the sampler's.
+"""
+
+import os
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class HFModelArgs(BaseModel):
+    """Arguments shared by the built-in modules (`models.<name>.args_dict`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    module: str | None = Field(None, description="module class as 'package.module:Class' (built-in default by name)")
+    model_path: str | None = Field(None, description="local Hugging Face model directory to load")
+    tiny_model: dict | None = Field(
+        None, description="build a random-init tiny Llama at model_path first if it is not there (spec fields)"
+    )
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (also used for log-probs)")
+    dtype: str = Field("float32", description="torch dtype of the weights")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model_path {path!r} is not a directory")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+
+
+def full_sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask and position_ids for prompt+response."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
+    attn = torch.cat([batch["prompt_mask"].long(), batch["response_mask"].long()], dim=1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attn, pos
+
+
+def response_logits(model: torch.nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
+    """Logits [B, R, V] that predict each response token."""
+    input_ids, attn, pos = full_sequence(batch)
+    out = model(input_ids=input_ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device))
+    p = batch["prompt_ids"].shape[1]
+    r = batch["response_ids"].shape[1]
+    return out.logits[:, p - 1 : p - 1 + r, :]
+
+
+def response_logprobs(model: torch.nn.Module, batch: dict, device: torch.device, temperature: float = 1.0):
+    """Log-probs [B, R] of the response tokens under `model` (0 at padding)."""
+    from chatlearn.algorithms import logprobs_from_logits
+
+    logits = response_logits(model, batch, device).float() / temperature
+    lp = logprobs_from_logits(logits, batch["response_ids"].to(device))
+    return lp * batch["response_mask"].to(device)
+
+
+def response_hidden_states(backbone: torch.nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
+    """Last hidden states [B, R, H] of the positions that emit each response token."""
+    input_ids, attn, pos = full_sequence(batch)
+    out = backbone(input_ids=input_ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device))
+    p = batch["prompt_ids"].shape[1]
+    r = batch["response_ids"].shape[1]
+    return out.last_hidden_state[:, p - 1 : p - 1 + r, :]
+
+
+def ensure_model_files(args: HFModelArgs) -> None:
+    """Build the embedded tiny model when the config asks for it and it is not there yet."""
+    if args.tiny_model is not None and args.model_path:
+        from chatlearn.models.hf.tiny import ensure_tiny_model
+
+        ensure_tiny_model(args.model_path, args.tiny_model)

@@ -1,0 +1,87 @@
+"""Inference policy: sampled generation with the KV cache, plus the sampler's own log-probs."""
+
+import torch
+from pydantic import Field
+
+from chatlearn.models.hf.common import (
+    HFModelArgs,
+    ensure_model_files,
+    load_causal_lm,
+    load_tokenizer,
+    response_logprobs,
+)
+from chatlearn.models.torch_module import TorchModule
+
+
+class PolicyArgs(HFModelArgs):
+    max_new_tokens: int = Field(16, gt=0, description="longest response, in tokens")
+    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0 = all)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    prompt_key: str = Field("prompt", description="field of a data record that holds the prompt text")
+    eval_do_sample: bool = Field(False, description="sample during eval (default greedy)")
+
+
+def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 for tokens up to and including the first EOS of each row, 0 after it."""
+    is_eos = (response_ids == eos_token_id).long()
+    seen_before = is_eos.cumsum(-1) - is_eos
+    return (seen_before == 0).float()
+
+
+class PolicyInference(TorchModule):
+    """Generates responses for prompt batches; `forward_step` samples, `eval_step` decodes greedily."""
+
+    args_schema = PolicyArgs
+
+    def setup(self) -> None:
+        ensure_model_files(self.args)
+        self.tokenizer = load_tokenizer(self.args.model_path)
+        self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).eval()
+
+    def build_dataset(self, prompts, is_eval=False):
+        key = self.args.prompt_key
+        for i, rec in enumerate(prompts):
+            if not isinstance(rec, dict) or not isinstance(rec.get(key), str):
+                raise ValueError(f"{self.name}: record {i} has no string field {key!r}: {str(rec)[:80]}")
+        return list(prompts)
+
+    def collate_fn(self, items):
+        key = self.args.prompt_key
+        enc = self.tokenizer([it[key] for it in items], padding=True, return_tensors="pt")
+        batch = {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"]}
+        for field in items[0]:
+            batch[field] = [it.get(field) for it in items]
+        return batch
+
+    @torch.no_grad()
+    def _generate(self, data: dict, do_sample: bool, seed: int) -> dict:
+        torch.manual_seed(seed)
+        prompt_ids = data["prompt_ids"].to(self.device)
+        prompt_mask = data["prompt_mask"].to(self.device)
+        kwargs = dict(do_sample=do_sample, temperature=self.args.temperature, top_k=self.args.top_k,
+                      top_p=self.args.top_p) if do_sample else dict(do_sample=False)
+        out = self.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=self.args.max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            use_cache=True,
+            **kwargs,
+        ).cpu()
+        response_ids = out[:, prompt_ids.shape[1] :]
+        mask = response_mask_from_eos(response_ids, self.tokenizer.eos_token_id)
+        response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, self.tokenizer.pad_token_id))
+        texts = [
+            self.tokenizer.decode(ids[: int(m.sum())], skip_special_tokens=True)
+            for ids, m in zip(response_ids, mask, strict=True)
+        ]
+        return {**data, "response_ids": response_ids, "response_mask": mask, "response": texts}
+
+    def forward_step(self, data, iteration):
+        out = self._generate(data, do_sample=True, seed=self.seed * 1_000_003 + iteration)
+        out["logprobs"] = response_logprobs(self.model, out, self.device, self.args.temperature).cpu()
+        return out
+
+    def eval_step(self, data):
+        return self._generate(data, do_sample=self.args.eval_do_sample, seed=self.seed * 7_919 + 1)

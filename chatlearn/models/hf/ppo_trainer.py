@@ -1,0 +1,127 @@
+"""PPO trainers: the policy (clipped surrogate) and the value model (clipped value loss).
+
+`train_step` receives the micro-batches of one global batch and makes exactly one optimizer step, with the
+gradients of the micro-batches accumulated (each weighted by its share of the global batch's tokens, so the
+step equals one big batch's masked mean whatever the micro-batch size).
+"""
+
+import os
+
+import torch
+from pydantic import Field
+
+from chatlearn.algorithms import get_policy_loss, get_value_loss
+from chatlearn.models.hf.common import (
+    HFModelArgs,
+    ensure_model_files,
+    load_causal_lm,
+    load_tokenizer,
+    response_logprobs,
+)
+from chatlearn.models.hf.value import ValueArgs, ValueNetwork
+from chatlearn.models.torch_module import TorchModule
+
+
+class OptimArgs(HFModelArgs):
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    max_grad_norm: float = Field(1.0, gt=0, description="clip the global grad norm to this")
+
+
+class PPOPolicyArgs(OptimArgs):
+    cliprange: float = Field(0.2, gt=0, description="PPO ratio clip")
+    policy_loss: str = Field("ppo_clip", description="registered policy loss")
+    whiten_advantages: bool = Field(True, description="whiten advantages over each global batch")
+
+
+class PPOValueArgs(OptimArgs, ValueArgs):
+    cliprange_value: float = Field(0.2, gt=0, description="clip of the new value around the old one")
+    value_loss: str = Field("ppo_clip", description="registered value loss")
+
+
+def _adamw(model: torch.nn.Module, args: OptimArgs) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                             betas=(args.adam_beta1, args.adam_beta2))
+
+
+def _token_weights(data_list: list[dict]) -> list[float]:
+    tokens = [float(mb["response_mask"].sum()) for mb in data_list]
+    total = sum(tokens) or 1.0
+    return [t / total for t in tokens]
+
+
+class PPOPolicyTrainer(TorchModule):
+    args_schema = PPOPolicyArgs
+
+    def setup(self) -> None:
+        ensure_model_files(self.args)
+        self.tokenizer = load_tokenizer(self.args.model_path)
+        self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).train()
+        self.optimizer = _adamw(self.model, self.args)
+        self.loss_fn = get_policy_loss(self.args.policy_loss)
+
+    def train_step(self, data_list, iteration):
+        if self.args.whiten_advantages:
+            # one mean/std over the whole global batch, as ChatLearn whitens across data-parallel ranks
+            adv = torch.cat([mb["advantages"][mb["response_mask"].bool()] for mb in data_list])
+            mean, std = adv.mean(), adv.std(unbiased=True) if adv.numel() > 1 else torch.tensor(1.0)
+            for mb in data_list:
+                mb["advantages"] = (mb["advantages"] - mean) / (std + 1e-8) * mb["response_mask"]
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {"policy_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0}
+        for mb, w in zip(data_list, _token_weights(data_list), strict=True):
+            mask = mb["response_mask"].to(self.device)
+            logprobs = response_logprobs(self.model, mb, self.device, self.args.temperature)
+            loss, st = self.loss_fn(logprobs, mb["logprobs"].to(self.device), mb["advantages"].to(self.device),
+                                    mask, cliprange=self.args.cliprange)
+            (loss * w).backward()
+            stats["policy_loss"] += float(loss) * w
+            stats["clipfrac"] += st["clipfrac"] * w
+            stats["approx_kl"] += st["approx_kl"] * w
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        self.optimizer.step()
+        stats["policy_grad_norm"] = float(grad_norm)
+        return stats
+
+    def export_hf(self, path: str) -> str:
+        """Save the current policy in Hugging Face format (config, safetensors, tokenizer files)."""
+        tmp = path + ".tmp"
+        os.makedirs(tmp, exist_ok=True)
+        self.model.save_pretrained(tmp, safe_serialization=True)
+        self.tokenizer.save_pretrained(tmp)
+        if os.path.exists(path):
+            import shutil
+
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        return path
+
+
+class PPOValueTrainer(TorchModule):
+    args_schema = PPOValueArgs
+
+    def setup(self) -> None:
+        ensure_model_files(self.args)
+        self.model = ValueNetwork(self.args.model_path, self.args.dtype, self.args.head_seed).to(self.device)
+        self.model.train()
+        self.optimizer = _adamw(self.model, self.args)
+        self.loss_fn = get_value_loss(self.args.value_loss)
+
+    def train_step(self, data_list, iteration):
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {"value_loss": 0.0, "vf_clipfrac": 0.0}
+        for mb, w in zip(data_list, _token_weights(data_list), strict=True):
+            mask = mb["response_mask"].to(self.device)
+            values = self.model(mb, self.device)
+            loss, st = self.loss_fn(values, mb["values"].to(self.device), mb["returns"].to(self.device), mask,
+                                    cliprange_value=self.args.cliprange_value)
+            (loss * w).backward()
+            stats["value_loss"] += float(loss) * w
+            stats["vf_clipfrac"] += st["vf_clipfrac"] * w
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        self.optimizer.step()
+        stats["value_grad_norm"] = float(grad_norm)
+        return stats
+

@@ -1,0 +1,19 @@
+"""Reference model: frozen log-probs of the sampled responses, the anchor of the KL penalty."""
+
+import torch
+
+from chatlearn.models.hf.common import HFModelArgs, ensure_model_files, load_causal_lm, response_logprobs
+from chatlearn.models.torch_module import TorchModule
+
+
+class ReferenceModel(TorchModule):
+    args_schema = HFModelArgs
+
+    def setup(self) -> None:
+        ensure_model_files(self.args)
+        self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def forward_step(self, data, iteration):
+        return {"ref_logprobs": response_logprobs(self.model, data, self.device, self.args.temperature).cpu()}

@@ -1,0 +1,45 @@
+"""Value model: a causal-LM backbone with a scalar head, one value per response token."""
+
+import torch
+from pydantic import Field
+
+from chatlearn.models.hf.common import HFModelArgs, ensure_model_files, response_hidden_states
+from chatlearn.models.torch_module import TorchModule
+
+
+class ValueArgs(HFModelArgs):
+    head_seed: int = Field(0, description="seed of the value head init (same for value and ppo_value)")
+
+
+class ValueNetwork(torch.nn.Module):
+    """Backbone (the base model of a causal LM, no LM head) + linear value head."""
+
+    def __init__(self, model_path: str, dtype: str, head_seed: int):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.backbone = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        gen = torch.Generator().manual_seed(head_seed)
+        hidden = self.backbone.config.hidden_size
+        self.value_head = torch.nn.Linear(hidden, 1)
+        with torch.no_grad():
+            self.value_head.weight.copy_(torch.randn(1, hidden, generator=gen) / hidden**0.5 * 0.1)
+            self.value_head.bias.zero_()
+
+    def forward(self, batch: dict, device: torch.device) -> torch.Tensor:
+        hidden = response_hidden_states(self.backbone, batch, device)
+        return self.value_head(hidden.float()).squeeze(-1) * batch["response_mask"].to(device)
+
+
+class ValueModel(TorchModule):
+    """Inference copy of the value network (weights synced from `ppo_value`)."""
+
+    args_schema = ValueArgs
+
+    def setup(self) -> None:
+        ensure_model_files(self.args)
+        self.model = ValueNetwork(self.args.model_path, self.args.dtype, self.args.head_seed).to(self.device).eval()
+
+    @torch.no_grad()
+    def forward_step(self, data, iteration):
+        return {"values": self.model(data, self.device).cpu()}

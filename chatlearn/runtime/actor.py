@@ -1,0 +1,145 @@
+"""The Ray actor that hosts one process of one model replica, and the data-plane rules it follows.
+
+Outputs stay in the object store and are owned by the actor that made them (`ray.put` inside the actor), so
+they outlive the short-lived Prefect task processes that dispatch work; only the small ObjectRef travels
+back. Inputs may arrive as values (Ray resolves top-level refs) or as refs nested one level (the refs that
+earlier calls returned), and several inputs for the same samples are merged into one dict, as ChatLearn
+merges the outputs of a node's parents.
+"""
+
+import os
+import time
+from typing import Any
+
+import ray
+
+from chatlearn.data.batch import collate_samples, merge_batches, split_batch
+from chatlearn.data.stream import training_batches
+from chatlearn.models.base_module import BaseModule
+from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
+
+
+def _resolve(value: Any) -> Any:
+    return ray.get(value) if isinstance(value, ray.ObjectRef) else value
+
+
+def experience_stats(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Episode-level numbers every RL run wants to see, from whatever the experience carries."""
+    stats: dict[str, float] = {}
+    if not samples:
+        return stats
+    if "scores" in samples[0]:
+        stats["reward_mean"] = sum(float(s["scores"]) for s in samples) / len(samples)
+    if "kl" in samples[0]:
+        stats["kl_mean"] = sum(float(s["kl"].sum()) for s in samples) / len(samples)
+    if "response_mask" in samples[0]:
+        stats["response_length_mean"] = sum(float(s["response_mask"].sum()) for s in samples) / len(samples)
+    return stats
+
+
+class ModelActor:
+    """Wraps a `BaseModule`: setup, batched forward/eval/train calls, sync and checkpoint hooks."""
+
+    def __init__(self, module: BaseModule, module_args: ModelConfig, runtime_args: RuntimeConfig,
+                 replica_id: int, seed: int):
+        self.module = module
+        self.module.bind(module_args, runtime_args, replica_id, seed)
+        self.runtime_args = runtime_args
+        self.datasets: dict[bool, Any] = {}
+        self.pad_token_id = 0
+        self.timers: dict[str, float] = {}
+
+    def setup(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.module.setup()
+        tok = getattr(self.module, "tokenizer", None)
+        if tok is not None and tok.pad_token_id is not None:
+            self.pad_token_id = int(tok.pad_token_id)
+        info = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": ray.get_gpu_ids(), "setup_seconds": time.perf_counter() - t0}
+        if hasattr(self.module, "info"):
+            info.update(self.module.info())
+        return info
+
+    def ping(self) -> bool:
+        return True
+
+    # -- data producer --------------------------------------------------------------------------------------
+    def build_dataset(self, prompts: list[Any], is_eval: bool = False) -> int:
+        self.datasets[is_eval] = self.module.build_dataset(prompts, is_eval)
+        return len(self.datasets[is_eval])
+
+    def generate(self, indices: list[int], iteration: int, is_eval: bool = False) -> ray.ObjectRef:
+        """Collate dataset items `indices` and run `forward_step` (or `eval_step`) on them."""
+        t0 = time.perf_counter()
+        dataset = self.datasets[is_eval]
+        batch = self.module.collate_fn([dataset[i] for i in indices])
+        out = self.module.eval_step(batch) if is_eval else self.module.forward_step(batch, iteration)
+        self._tick("generate", t0)
+        return ray.put(out)
+
+    # -- inference on upstream outputs ----------------------------------------------------------------------
+    def forward(self, *inputs: Any, iteration: int = 0, is_eval: bool = False, keep_inputs: bool = False):
+        """Run `forward_step`/`eval_step` on the merged inputs; with `keep_inputs` the output carries them."""
+        t0 = time.perf_counter()
+        data = merge_batches(*[_resolve(x) for x in inputs])
+        out = self.module.eval_step(data) if is_eval else self.module.forward_step(data, iteration)
+        if keep_inputs:
+            out = merge_batches(data, out)
+        self._tick("eval" if is_eval else "forward", t0)
+        return ray.put(out)
+
+    # -- training -------------------------------------------------------------------------------------------
+    def train(self, *batches: Any, episode: int, start_iteration: int) -> dict[str, Any]:
+        """Train on one episode's experience: split into samples, re-batch, one `train_step` per global batch.
+
+        Returns the mean of each metric over the steps and the trainer iteration reached.
+        """
+        t0 = time.perf_counter()
+        samples = [s for b in batches for s in split_batch(_resolve(b))]
+        rt = self.runtime_args
+        steps = training_batches(samples, rt.train_micro_batch_size, rt.train_global_batch_size,
+                                 rt.num_training_epoch, seed=self.module.seed, episode=episode)
+        iteration = start_iteration
+        sums: dict[str, float] = {}
+        for step in steps:
+            data_list = [collate_samples(mb, self.pad_token_id) for mb in step]
+            metrics = self.module.train_step(data_list, iteration) or {}
+            iteration += 1
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        self._tick("train", t0)
+        result: dict[str, Any] = {k: v / max(1, len(steps)) for k, v in sums.items()}
+        result.update(experience_stats(samples))
+        result.update(iteration=iteration, num_steps=len(steps), num_samples=len(samples))
+        return result
+
+    # -- sync / checkpoint / hooks --------------------------------------------------------------------------
+    def get_weights(self) -> Any:
+        return self.module.get_weights()
+
+    def set_weights(self, weights: Any) -> bool:
+        self.module.set_weights(_resolve(weights))
+        return True
+
+    def save_checkpoint(self, iteration: int) -> str | None:
+        return self.module.save_checkpoint(iteration)
+
+    def load_checkpoint(self, iteration: int) -> None:
+        self.module.load_checkpoint(iteration)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call any other public method of the module (e.g. `export_hf`, `before_episode`)."""
+        if method.startswith("_"):
+            raise AttributeError(f"refusing to call private method {method!r}")
+        return getattr(self.module, method)(*[_resolve(a) for a in args], **kwargs)
+
+    def peak_memory(self) -> float:
+        return self.module.peak_memory()
+
+    def pop_timers(self) -> dict[str, float]:
+        timers, self.timers = self.timers, {}
+        return timers
+
+    def _tick(self, key: str, t0: float) -> None:
+        self.timers[key] = self.timers.get(key, 0.0) + time.perf_counter() - t0

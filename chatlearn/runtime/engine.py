@@ -1,0 +1,137 @@
+"""Engines: which models an algorithm uses and which method of which model feeds which.
+
+As in ChatLearn, an engine is just its models plus the wiring; users write `forward_step`/`train_step` and
+never see scheduling. Unlike ChatLearn, the wiring is an explicit `EpisodePlan` (no parsing of a flow
+function's source), and `flows/episode.py` turns it into Prefect tasks.
+"""
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from chatlearn.models import DEFAULT_MODULES
+from chatlearn.models.base_module import BaseModule
+from chatlearn.utils.arguments import ChatLearnConfig, ConfigError
+
+
+class EpisodePlan(BaseModel):
+    """The DAG of one episode, by model name."""
+
+    producer: str = Field(description="generates rollouts from prompt batches (owns the dataset)")
+    scorers: list[str] = Field(default_factory=list, description="run on the rollouts, in parallel")
+    final: str | None = Field(None, description="gets rollouts + scorer outputs; its output is the experience")
+    trainers: list[str] = Field(default_factory=list, description="train on the experience")
+    sync: list[tuple[str, str]] = Field(default_factory=list, description="(trainer, inference) weight pairs")
+    evaluator: str | None = Field(None, description="scores the producer's eval outputs")
+    export: str | None = Field(None, description="trainable model saved as the final policy")
+
+
+class Engine:
+    """Models + plan; `learn()` runs the Prefect train flow on Ray."""
+
+    name = "engine"
+
+    def __init__(self, modules: dict[str, BaseModule], plan: EpisodePlan):
+        self.modules = modules
+        self.plan = plan
+
+    def learn(self, config: ChatLearnConfig | str | None = None, overrides: list[str] | None = None) -> dict:
+        """Train with `config` (a config object, a YAML path, or the one given to `chatlearn.init`)."""
+        from chatlearn import get_config
+        from flows.train import train_flow
+
+        if config is None:
+            config = get_config()
+        elif isinstance(config, str):
+            from chatlearn.utils.config_loader import load_config
+
+            config = load_config(config, overrides or [])
+        return train_flow(config, modules=self.modules, engine=self.name)
+
+
+class RLHFEngine(Engine):
+    """PPO: policy → (reference, value) → reward; ppo_policy and ppo_value train; both synced back."""
+
+    name = "rlhf"
+
+    def __init__(self, policy: BaseModule, reference: BaseModule, reward: BaseModule, value: BaseModule,
+                 ppo_policy: BaseModule, ppo_value: BaseModule):
+        modules = {m.name: m for m in (policy, reference, reward, value, ppo_policy, ppo_value)}
+        plan = EpisodePlan(
+            producer=policy.name,
+            scorers=[reference.name, value.name],
+            final=reward.name,
+            trainers=[ppo_policy.name, ppo_value.name],
+            sync=[(ppo_policy.name, policy.name), (ppo_value.name, value.name)],
+            evaluator=reward.name,
+            export=ppo_policy.name,
+        )
+        super().__init__(modules, plan)
+
+
+ENGINES: dict[str, type[Engine]] = {"rlhf": RLHFEngine}
+ENGINE_ROLES: dict[str, list[str]] = {
+    "rlhf": ["policy", "reference", "reward", "value", "ppo_policy", "ppo_value"],
+}
+
+
+def module_class_path(name: str, cfg: ChatLearnConfig) -> str | None:
+    args = cfg.models[name].args_dict or {}
+    return args.get("module") or DEFAULT_MODULES.get(name)
+
+
+def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | None = None) -> list[str]:
+    """Problems with each model's `args_dict` against its module's `args_schema`, as dotted paths."""
+    from chatlearn.models.hf.reward import import_object
+
+    problems: list[str] = []
+    for name in cfg.models:
+        if modules is not None and name in modules:
+            cls: Any = type(modules[name])
+        else:
+            spec = module_class_path(name, cfg)
+            if spec is None:
+                problems.append(f"models.{name}.args_dict.module: no built-in module for a model named "
+                                f"{name!r}; set args_dict.module to 'package.module:Class'")
+                continue
+            try:
+                cls = import_object(spec)
+            except ValueError as exc:
+                problems.append(f"models.{name}.args_dict.module: {exc}")
+                continue
+        schema = getattr(cls, "args_schema", None)
+        if schema is None:
+            continue
+        from pydantic import ValidationError
+
+        try:
+            schema.model_validate(cfg.models[name].args_dict or {})
+        except ValidationError as exc:
+            for err in exc.errors():
+                loc = ".".join(str(x) for x in err["loc"])
+                problems.append(f"models.{name}.args_dict.{loc}: {err['msg']}")
+    return problems
+
+
+def build_engine(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | None = None,
+                 engine: str | None = None) -> Engine:
+    """The engine a config asks for (`runtime.engine`, default `rlhf`), with modules built from the config.
+
+    Raises `ConfigError` listing every problem (unknown engine, missing models, bad module args).
+    """
+    from chatlearn.models.hf.reward import import_object
+
+    engine_name = engine or cfg.runtime.get("engine") or "rlhf"
+    problems: list[str] = []
+    if engine_name not in ENGINES:
+        raise ConfigError([f"runtime.engine: unknown engine {engine_name!r}; known: {sorted(ENGINES)}"])
+    roles = ENGINE_ROLES[engine_name]
+    missing = [r for r in roles if r not in cfg.models and not (modules and r in modules)]
+    if missing:
+        problems.append(f"models: the {engine_name} engine needs models named {roles}; missing {missing}")
+    problems += check_module_args(cfg, modules)
+    if problems:
+        raise ConfigError(problems)
+    if modules is None:
+        modules = {name: import_object(module_class_path(name, cfg))(name) for name in cfg.models}
+    return ENGINES[engine_name](*[modules[r] for r in roles])

@@ -1,0 +1,48 @@
+"""The embedded verifiable task: answer with the largest digit of the prompt.
+
+A prompt is `max 3 7 1 ?`, the answer is `7`. The reward is a rule, so no reward model is needed and the
+learning signal is exact: 1.0 for the right digit followed by end-of-sequence, partial credit for a digit
+close to the answer (so a random-init policy gets a gradient from its first episode), 0 otherwise.
+Run `python -m chatlearn.tasks.max_digit OUT_DIR` to regenerate the shipped JSONL files.
+"""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+
+def make_records(n: int, seed: int, min_digits: int = 3, max_digits: int = 4) -> list[dict]:
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        digits = [rng.randrange(10) for _ in range(rng.randint(min_digits, max_digits))]
+        records.append({"prompt": "max " + " ".join(map(str, digits)) + " ?", "answer": str(max(digits))})
+    return records
+
+
+def max_digit_reward(sample: dict) -> float:
+    """1.0 for exactly the answer; 0.5 * closeness for a response starting with another digit; else 0."""
+    response = sample["response"].strip()
+    answer = sample["answer"]
+    if response == answer:
+        return 1.0
+    if response[:1].isdigit():
+        return 0.5 * (1.0 - abs(int(response[0]) - int(answer)) / 9.0)
+    return 0.0
+
+
+def exact_match(sample: dict) -> float:
+    """1.0 when the response is exactly the answer (the eval metric)."""
+    return float(sample["response"].strip() == sample["answer"])
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "configs/data")
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "max_digit_train.jsonl", make_records(4096, seed=1))
+    write_jsonl(out / "max_digit_eval.jsonl", make_records(128, seed=2))

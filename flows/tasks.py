@@ -1,0 +1,136 @@
+"""The six stage tasks of an episode. Each is a thin dispatcher to the model actors.
+
+Tasks return small things (metrics, RefBoxes of ObjectRefs); rollouts and weights move actor to actor
+through Ray's object store. Prefect's cache is off for all of them: they act on stateful actors, and a cached
+`train` would silently skip an update.
+"""
+
+import time
+from typing import Any
+
+import ray
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from chatlearn.data.sampler import episode_prompt_batches, eval_prompt_batches
+from chatlearn.runtime.handles import RefBox, RunHandle
+from chatlearn.utils.arguments import ChatLearnConfig
+
+
+def _batch_size(cfg: ChatLearnConfig, model: str) -> int:
+    gbs = cfg.models[model].generation_batch_size
+    return gbs if gbs and gbs > 0 else cfg.runtime.generation_batch_size
+
+
+@task(name="generate", cache_policy=NO_CACHE)
+def generate(run: RunHandle, cfg: ChatLearnConfig, episode: int, consumed_samples: int) -> RefBox:
+    """The producer samples responses for this episode's prompts, batches dealt over its replicas."""
+    t0 = time.perf_counter()
+    producer = run.plan.producer
+    heads = run.heads(producer)
+    batches = episode_prompt_batches(run.dataset_size, consumed_samples, cfg.runtime.sample_per_episode,
+                                     _batch_size(cfg, producer), len(heads))
+    first_iteration = episode * len(batches)
+    outer = [heads[r].generate.remote(idx, first_iteration + i) for i, (r, idx) in enumerate(batches)]
+    refs = ray.get(outer)  # waits for generation; only the small refs owned by the actors come back
+    return RefBox(refs, seconds=time.perf_counter() - t0, num_batches=len(batches),
+                  num_samples=sum(len(idx) for _, idx in batches), first_iteration=first_iteration)
+
+
+@task(name="score", cache_policy=NO_CACHE)
+def score(run: RunHandle, rollouts: RefBox) -> RefBox:
+    """Scorers (reference, value) run on each rollout batch in parallel; the final model (reward) merges."""
+    t0 = time.perf_counter()
+    plan = run.plan
+    scorer_heads = {name: run.heads(name) for name in plan.scorers}
+    final_heads = run.heads(plan.final) if plan.final else []
+    outs = []
+    for i, g in enumerate(rollouts.refs):
+        it = rollouts.meta["first_iteration"] + i
+        parts = [heads[i % len(heads)].forward.remote(g, iteration=it) for heads in scorer_heads.values()]
+        if final_heads:
+            outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts, iteration=it,
+                                                                         keep_inputs=True))
+        else:
+            outs.append(parts)
+    refs = ray.get(outs)
+    return RefBox(refs, seconds=time.perf_counter() - t0)
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int) -> dict[str, Any]:
+    """Every trainer trains on the whole episode's experience (trainers run concurrently)."""
+    t0 = time.perf_counter()
+    calls = {name: run.heads(name)[0].train.remote(*experience.refs, episode=episode,
+                                                  start_iteration=start_iteration)
+             for name in run.plan.trainers}
+    results = dict(zip(calls, ray.get(list(calls.values())), strict=True))
+    metrics: dict[str, Any] = {}
+    for res in results.values():
+        metrics.update({k: v for k, v in res.items() if k not in ("iteration", "num_steps", "num_samples")})
+    first = results[run.plan.trainers[0]] if results else {}
+    metrics["iteration"] = first.get("iteration", start_iteration)
+    metrics["train_steps"] = first.get("num_steps", 0)
+    metrics["seconds"] = time.perf_counter() - t0
+    return metrics
+
+
+@task(name="sync", cache_policy=NO_CACHE)
+def sync(run: RunHandle, cfg: ChatLearnConfig, episode: int, trained: dict | None = None) -> dict[str, Any]:
+    """Copy each trainer's weights into its inference model (every `sync_frequency` episodes).
+
+    Weights go trainer → object store → every actor of the inference model; nothing passes through Prefect.
+    `trained` is only there to order sync after train in the task graph.
+    """
+    t0 = time.perf_counter()
+    synced = []
+    for src, dst in run.plan.sync:
+        freq = cfg.models[dst].sync_frequency
+        if not freq or (episode + 1) % freq != 0:
+            continue
+        weights = run.heads(src)[0].get_weights.remote()
+        ray.get([a.set_weights.remote(weights) for a in run.all_actors(dst)])
+        synced.append(f"{src}->{dst}")
+    return {"synced": synced, "seconds": time.perf_counter() - t0}
+
+
+@task(name="checkpoint", cache_policy=NO_CACHE)
+def checkpoint(run: RunHandle, cfg: ChatLearnConfig, episode: int, trained: dict) -> dict[str, Any]:
+    """Trainable models save their state every `save_episode_interval` episodes."""
+    t0 = time.perf_counter()
+    interval = cfg.runtime.save_episode_interval
+    paths: dict[str, str | None] = {}
+    if interval and (episode + 1) % interval == 0:
+        iteration = trained["iteration"]
+        calls = {name: run.heads(name)[0].save_checkpoint.remote(iteration) for name in run.plan.trainers}
+        paths = dict(zip(calls, ray.get(list(calls.values())), strict=True))
+    return {"paths": paths, "seconds": time.perf_counter() - t0}
+
+
+@task(name="eval", cache_policy=NO_CACHE)
+def evaluate(run: RunHandle, cfg: ChatLearnConfig, episode: int, synced: dict | None = None) -> dict[str, Any]:
+    """Greedy responses of the producer on the eval set, scored by the evaluator model."""
+    t0 = time.perf_counter()
+    plan = run.plan
+    heads = run.heads(plan.producer)
+    scorer = run.heads(plan.evaluator) if plan.evaluator else []
+    batches = eval_prompt_batches(run.eval_dataset_size, _batch_size(cfg, plan.producer), len(heads))
+    outs = []
+    for i, (r, idx) in enumerate(batches):
+        g = heads[r].generate.remote(idx, i, is_eval=True)
+        if scorer:
+            g = scorer[i % len(scorer)].forward.remote(g, is_eval=True, keep_inputs=True)
+        outs.append(g)
+    results = ray.get(ray.get(outs))
+    scores = [float(s) for res in results for s in res.get("scores", [])]
+    examples = [
+        {"prompt": p, "response": r, "score": float(s)}
+        for res in results[:1]
+        for p, r, s in zip(res.get("prompt", []), res.get("response", []), res.get("scores", []), strict=False)
+    ][:5]
+    return {
+        "eval_reward_mean": sum(scores) / len(scores) if scores else None,
+        "eval_num_samples": len(scores),
+        "examples": examples,
+        "seconds": time.perf_counter() - t0,
+    }

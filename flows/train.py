@@ -1,0 +1,154 @@
+"""The train flow: validate, start or join Ray, create the model actors once, run one subflow per episode.
+
+The flow process is the Ray driver. Actors are created here (never in a task: an actor made inside a task
+dies with it) and killed in `finally`, failures included. Per-episode metrics go to the terminal (progress
+bar + a metrics line every `log_interval` episodes), to `run_dir/metrics.jsonl`, and to Prefect artifacts.
+"""
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+import ray
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from pydantic import BeforeValidator
+
+from chatlearn.data.prompts import load_records
+from chatlearn.runtime.engine import build_engine
+from chatlearn.runtime.handles import RunHandle
+from chatlearn.runtime.model_group import ModelGroup, create_model_group, required_cpus
+from chatlearn.runtime.reporting import EpisodeReporter
+from chatlearn.utils.arguments import ChatLearnConfig
+from chatlearn.utils.config_loader import load_config
+
+
+def _load_if_path(value: Any) -> Any:
+    if isinstance(value, str | os.PathLike):
+        return load_config(str(value))
+    return value
+
+
+ConfigParam = Annotated[ChatLearnConfig, BeforeValidator(_load_if_path)]
+
+
+def init_ray(cfg: ChatLearnConfig, namespace: str) -> bool:
+    """Join `RAY_ADDRESS` (or an already initialized Ray), else start a local Ray sized for the models.
+
+    Returns whether this call started Ray (and so must shut it down). A local Ray gets at least as many
+    logical CPUs as the model actors ask for, so the default six CPU models schedule on a 2-core machine.
+    """
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    common: dict[str, Any] = dict(namespace=namespace, log_to_driver=False, configure_logging=False)
+    if address:
+        env = cfg.runtime_env
+        runtime_env: dict[str, Any] = {}
+        if env.pip:
+            runtime_env["pip"] = list(env.pip)
+        if env.py_modules:
+            runtime_env["py_modules"] = list(env.py_modules)
+        if env.working_dir and cfg.runtime_env.get("upload_working_dir"):
+            runtime_env["working_dir"] = env.working_dir
+            runtime_env["excludes"] = list(env.excludes) + [".venv", ".git", "output"]
+        ray.init(address=address, runtime_env=runtime_env or None, **common)
+        return True
+    cpus = max(os.cpu_count() or 1, int(required_cpus(cfg.models) + 0.999) + 1)
+    ray.init(num_cpus=cpus, include_dashboard=False, **common)
+    return True
+
+
+@flow(name="chatlearn-train", log_prints=True)
+def train_flow(config: ConfigParam, modules: dict[str, Any] | None = None, engine: str | None = None) -> dict:
+    """Train with a ChatLearn config (object or YAML path); returns the last episode's metrics."""
+    logger = get_run_logger()
+    cfg: ChatLearnConfig = config
+    eng = build_engine(cfg, modules, engine)  # raises ConfigError before any actor exists
+    rt = cfg.runtime
+    run_dir = Path(rt.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed = int(rt.get("seed") or 42)
+
+    prompts = load_records(rt.data_path)
+    eval_path = rt.get("eval_data_path")
+    eval_prompts = load_records(eval_path) if eval_path and rt.eval_episode_interval else []
+
+    # Build local model files (e.g. the embedded tiny Llama) once here, not racing in every actor.
+    for name, mod in eng.modules.items():
+        schema = getattr(mod, "args_schema", None)
+        if schema is not None and "tiny_model" in schema.model_fields:
+            from chatlearn.models.hf.common import ensure_model_files
+
+            ensure_model_files(schema.model_validate(cfg.models[name].args_dict or {}))
+
+    namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
+    started_ray = init_ray(cfg, namespace)
+    prefix = f"{uuid.uuid4().hex[:8]}-"
+    groups: dict[str, ModelGroup] = {}
+    try:
+        t0 = time.perf_counter()
+        for name, mod in eng.modules.items():
+            groups[name] = create_model_group(name, mod, cfg.models[name], rt, seed, namespace, prefix)
+        infos = ray.get([a.setup.remote() for g in groups.values() for a in g.actors])
+        logger.info("created %d actors for %d models in %.1fs", len(infos), len(groups), time.perf_counter() - t0)
+
+        producer = groups[eng.plan.producer]
+        prompts_ref = ray.put(prompts)
+        sizes = ray.get([a.build_dataset.remote(prompts_ref) for a in producer.heads])
+        if eval_prompts:
+            ray.get([a.build_dataset.remote(ray.put(eval_prompts), True) for a in producer.heads])
+        run = RunHandle(
+            namespace=namespace,
+            actors={n: [[prefix + f"{n}-r{r}-p{p}" for p in range(len(rep))] for r, rep in enumerate(g.replicas)]
+                    for n, g in groups.items()},
+            plan=eng.plan, dataset_size=sizes[0], eval_dataset_size=len(eval_prompts), run_dir=str(run_dir),
+        )
+        # ChatLearn syncs all parameters once before the first episode: inference copies start as the trainers.
+        for src, dst in eng.plan.sync:
+            weights = groups[src].heads[0].get_weights.remote()
+            ray.get([a.set_weights.remote(weights) for a in groups[dst].actors])
+
+        return _run_episodes(cfg, run, groups, eng.plan.export, run_dir)
+    finally:
+        for g in groups.values():
+            g.kill()
+        if started_ray:
+            ray.shutdown()
+
+
+def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], export: str | None,
+                  run_dir: Path) -> dict:
+    from flows.episode import episode_flow
+
+    rt = cfg.runtime
+    reporter = EpisodeReporter(cfg, run_dir)
+    progress_id = create_progress_artifact(progress=0.0, key=reporter.artifact_key("progress"),
+                                           description=f"episodes of {rt.exp_name}")
+    consumed, iteration = rt.consumed_samples, 0
+    last: dict[str, Any] = {}
+    try:
+        for episode in range(rt.num_episode):
+            t0 = time.perf_counter()
+            metrics = episode_flow(run, cfg, episode, consumed, iteration)
+            consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
+            metrics["episode_seconds"] = time.perf_counter() - t0
+            metrics["peak_memory_mb"] = max(ray.get([a.peak_memory.remote() for g in groups.values()
+                                                     for a in g.actors]))
+            reporter.record(metrics)
+            update_progress_artifact(progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
+            create_table_artifact(key=reporter.artifact_key("metrics"), table=reporter.table(),
+                                  description=f"per-episode metrics of {rt.exp_name}")
+            last = metrics
+    finally:
+        reporter.close()
+    if export:
+        path = run_dir / "final" / "policy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ray.get(groups[export].heads[0].call.remote("export_hf", str(path)))
+        last["final_policy"] = str(path)
+    (run_dir / "summary.json").write_text(json.dumps(last, default=str, indent=1))
+    return last
