@@ -28,11 +28,10 @@ def _split_args(items: list[str]) -> tuple[str, list[str]]:
 
 
 def _load(items: list[str]):
-    from chatlearn.runtime.engine import build_engine
-    from chatlearn.utils.config_loader import load_config
+    from chatlearn.runtime.engine import build_engine, load_run_config
 
     path, overrides = _split_args(items)
-    cfg = load_config(path, overrides)
+    cfg = load_run_config(path, overrides)
     build_engine(cfg)  # module args are part of what must be valid before anything starts
     return cfg
 

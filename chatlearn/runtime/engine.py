@@ -80,8 +80,12 @@ def module_class_path(name: str, cfg: ChatLearnConfig) -> str | None:
     return args.get("module") or DEFAULT_MODULES.get(name)
 
 
-def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | None = None) -> list[str]:
-    """Problems with each model's `args_dict` against its module's `args_schema`, as dotted paths."""
+def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | None = None,
+                      skip_unknown: bool = False) -> list[str]:
+    """Problems with each model's `args_dict` against its module's `args_schema`, as dotted paths.
+
+    With `skip_unknown`, models with no module to check against are left alone (`build_engine` reports them).
+    """
     from chatlearn.models.hf.reward import import_object
 
     problems: list[str] = []
@@ -91,6 +95,8 @@ def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | Non
         else:
             spec = module_class_path(name, cfg)
             if spec is None:
+                if skip_unknown:
+                    continue
                 problems.append(f"models.{name}.args_dict.module: no built-in module for a model named "
                                 f"{name!r}; set args_dict.module to 'package.module:Class'")
                 continue
@@ -111,6 +117,24 @@ def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | Non
                 loc = ".".join(str(x) for x in err["loc"])
                 problems.append(f"models.{name}.args_dict.{loc}: {err['msg']}")
     return problems
+
+
+def load_run_config(config: "ChatLearnConfig | str", overrides: list[str] | None = None,
+                    modules: dict[str, BaseModule] | None = None) -> ChatLearnConfig:
+    """Load a config for training: the generic checks and the modules' `args_dict` checks in ONE error."""
+    from chatlearn.utils.arguments import EXTRA_VALIDATORS
+    from chatlearn.utils.config_loader import load_config, load_config_dict
+
+    def module_args(cfg: ChatLearnConfig) -> list[str]:
+        return check_module_args(cfg, modules, skip_unknown=True)
+
+    EXTRA_VALIDATORS.append(module_args)
+    try:
+        if isinstance(config, ChatLearnConfig):
+            return load_config_dict(config.model_dump(mode="json"), None, overrides or [])
+        return load_config(config, overrides or [])
+    finally:
+        EXTRA_VALIDATORS.remove(module_args)
 
 
 def build_engine(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | None = None,

@@ -106,6 +106,16 @@ def _stop(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def _drain_prefect_workers() -> None:
+    """Send queued logs and events while the server is still up (else: 'Error logging to API')."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=10)
+
+
 @contextlib.contextmanager
 def local_prefect_api(timeout: float = 90.0, announce=print) -> Iterator[str]:
     """Yield a Prefect API URL: `PREFECT_API_URL` if set, else a shared local server (started if needed)."""
@@ -133,6 +143,7 @@ def local_prefect_api(timeout: float = 90.0, announce=print) -> Iterator[str]:
         with temporary_settings({PREFECT_API_URL: url}):
             yield url
     finally:
+        _drain_prefect_workers()
         os.environ.pop("PREFECT_API_URL", None)
         with _locked_state() as state:
             users = [p for p in state.get("users", []) if _alive(p) and p != me]

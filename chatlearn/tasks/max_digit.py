@@ -1,8 +1,10 @@
 """The embedded verifiable task: answer with the largest digit of the prompt.
 
 A prompt is `max 3 7 1 ?`, the answer is `7`. The reward is a rule, so no reward model is needed and the
-learning signal is exact: 1.0 for the right digit followed by end-of-sequence, partial credit for a digit
-close to the answer (so a random-init policy gets a gradient from its first episode), 0 otherwise.
+learning signal is exact: 1.0 for the right digit followed by end-of-sequence, 0 for a response that does
+not start with a digit, and in between two halves of partial credit (so a random-init policy gets a
+gradient from its first episode): up to 0.5 for how close the first digit is to the answer, and 0.5 for
+stopping right after one digit.
 Run `python -m chatlearn.tasks.max_digit OUT_DIR` to regenerate the shipped JSONL files.
 """
 
@@ -22,14 +24,12 @@ def make_records(n: int, seed: int, min_digits: int = 3, max_digits: int = 4) ->
 
 
 def max_digit_reward(sample: dict) -> float:
-    """1.0 for exactly the answer; 0.5 * closeness for a response starting with another digit; else 0."""
+    """0.5 * closeness of the first digit to the answer + 0.5 if the response is that one digit alone."""
     response = sample["response"].strip()
-    answer = sample["answer"]
-    if response == answer:
-        return 1.0
-    if response[:1].isdigit():
-        return 0.5 * (1.0 - abs(int(response[0]) - int(answer)) / 9.0)
-    return 0.0
+    if not response[:1].isdigit():
+        return 0.0
+    closeness = 1.0 - abs(int(response[0]) - int(sample["answer"])) / 9.0
+    return 0.5 * closeness + (0.5 if len(response) == 1 else 0.0)
 
 
 def exact_match(sample: dict) -> float:

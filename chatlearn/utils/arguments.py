@@ -641,6 +641,8 @@ def _check_model(
         if value is not None and value < 1 and parsed(key):
             sizes_ok = False
             problems.append(f"{pre}.{key}: must be >= 1, got {value}")
+    if m.num_gpu == 0 and m.num_cpu > 0 and m.gpu_per_process and parsed(*_GPU_KEYS):
+        problems.append(f"{pre}.gpu_per_process: {m.gpu_per_process} exceeds num_gpu (0)")
     if m.num_gpu > 0 and parsed(*_GPU_KEYS):
         gpp = m.gpu_per_process
         if gpp is not None and gpp < 1 and parsed("gpu_per_process"):

@@ -71,13 +71,15 @@ class PolicyInference(TorchModule):
         ).cpu()
         response_ids = out[:, prompt_ids.shape[1] :]
         mask = response_mask_from_eos(response_ids, self.tokenizer.eos_token_id)
-        response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, self.tokenizer.pad_token_id))
+        pad = torch.full_like(response_ids, self.tokenizer.pad_token_id)
+        response_ids = torch.where(mask.bool(), response_ids, pad)
         texts = [
             self.tokenizer.decode(ids[: int(m.sum())], skip_special_tokens=True)
             for ids, m in zip(response_ids, mask, strict=True)
         ]
         return {**data, "response_ids": response_ids, "response_mask": mask, "response": texts}
 
+    @torch.no_grad()
     def forward_step(self, data, iteration):
         out = self._generate(data, do_sample=True, seed=self.seed * 1_000_003 + iteration)
         out["logprobs"] = response_logprobs(self.model, out, self.device, self.args.temperature).cpu()

@@ -1,0 +1,48 @@
+"""Shared fixtures: a session-scoped Prefect test harness and a session-scoped Ray, both real.
+
+Prefect's ephemeral mode is unusable with Ray (each Ray worker would start its own server), so the harness
+provides a real API for the whole session, with flow heartbeats off (they cost ~1 s per sync subflow).
+"""
+
+import os
+import tempfile
+
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="prefect-home-"))
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("CHATLEARN_PREFECT_HOME", tempfile.mkdtemp(prefix="chatlearn-prefect-"))
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120), temporary_settings(
+        {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+    ):
+        yield
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, namespace="chatlearn-tests", log_to_driver=False,
+             configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The default config's tiny Llama, built once per session."""
+    from chatlearn.models.hf.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama"))

@@ -1,0 +1,153 @@
+"""The built-in modules in-process (no Ray): generation, log-prob consistency, training steps, rewards."""
+
+import copy
+
+import pytest
+import torch
+
+from chatlearn.models.hf.policy import PolicyInference, response_mask_from_eos
+from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer, PPOValueTrainer
+from chatlearn.models.hf.reference import ReferenceModel
+from chatlearn.models.hf.reward import RuleReward, import_object
+from chatlearn.models.hf.value import ValueModel
+from chatlearn.tasks.max_digit import make_records, max_digit_reward
+from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
+
+
+def bound(cls, name, args, trainable=False):
+    mod = cls(name)
+    mod.bind(ModelConfig(num_cpu=1, trainable=trainable, args_dict=args), RuntimeConfig(), 0, seed=7)
+    mod.setup()
+    return mod
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_model_dir):
+    policy = bound(PolicyInference, "policy", {"model_path": tiny_model_dir, "max_new_tokens": 4})
+    prompts = make_records(6, seed=0)
+    ds = policy.build_dataset(prompts)
+    batch = policy.collate_fn(ds)
+    return policy, policy.forward_step(batch, iteration=3)
+
+
+def test_response_mask_stops_after_first_eos():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
+    assert response_mask_from_eos(ids, 2).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_generation_is_seeded_by_iteration(rollout):
+    policy, out = rollout
+    batch = {k: v for k, v in out.items() if k in ("prompt_ids", "prompt_mask", "prompt", "answer")}
+    again = policy.forward_step(batch, iteration=3)
+    other = policy.forward_step(batch, iteration=4)
+    assert torch.equal(again["response_ids"], out["response_ids"])
+    assert not torch.equal(other["response_ids"], out["response_ids"])
+    assert out["response_ids"].shape == (6, out["response_mask"].shape[1])
+    assert out["logprobs"].shape == out["response_mask"].shape
+    assert (out["logprobs"][out["response_mask"] == 0] == 0).all()
+    assert (out["logprobs"][out["response_mask"] == 1] < 0).all()
+
+
+def test_reference_and_trainer_logprobs_match_the_sampler_before_training(rollout, tiny_model_dir):
+    # ratio == 1 on the first PPO step needs the trainer and reference to score exactly like the sampler
+    _, out = rollout
+    ref = bound(ReferenceModel, "reference", {"model_path": tiny_model_dir})
+    assert torch.allclose(ref.forward_step(out, 0)["ref_logprobs"], out["logprobs"], atol=1e-5)
+    trainer = bound(PPOPolicyTrainer, "ppo_policy", {"model_path": tiny_model_dir}, trainable=True)
+    from chatlearn.models.hf.common import response_logprobs
+
+    with torch.no_grad():
+        lp = response_logprobs(trainer.model, out, trainer.device)
+    assert torch.allclose(lp, out["logprobs"], atol=1e-5)
+
+
+def experience(out, tiny_model_dir):
+    value = bound(ValueModel, "value", {"model_path": tiny_model_dir})
+    reward = bound(RuleReward, "reward", {"reward_fn": "chatlearn.tasks.max_digit:max_digit_reward",
+                                          "kl_coef": 0.1})
+    data = dict(out, ref_logprobs=out["logprobs"] - 0.1, values=value.forward_step(out, 0)["values"])
+    return {**data, **reward.forward_step(data, 0)}
+
+
+def test_reward_builds_ppo_experience(rollout, tiny_model_dir):
+    _, out = rollout
+    exp = experience(out, tiny_model_dir)
+    expected = [max_digit_reward({"response": r, "answer": a}) for r, a in zip(out["response"], out["answer"])]
+    assert exp["scores"].tolist() == pytest.approx(expected)
+    mask = out["response_mask"]
+    # kl = logprobs - ref_logprobs = 0.1 on every valid token
+    assert torch.allclose(exp["kl"][mask == 1], torch.full_like(exp["kl"][mask == 1], 0.1))
+    last = mask.sum(-1).long() - 1
+    rows = torch.arange(len(last))
+    assert torch.allclose(exp["rewards"][rows, last], exp["scores"] - 0.1 * 0.1)
+    assert torch.allclose(exp["returns"], (exp["advantages"] + exp["values"]) * mask, atol=1e-6)
+
+
+def test_gradient_accumulation_equals_one_big_batch(rollout, tiny_model_dir):
+    from chatlearn.data.batch import collate_samples, split_batch
+
+    _, out = rollout
+    exp = experience(out, tiny_model_dir)
+    samples = split_batch(exp)
+    whole = [collate_samples(samples)]
+    halves = [collate_samples(samples[:3]), collate_samples(samples[3:])]
+    a = bound(PPOPolicyTrainer, "ppo_policy", {"model_path": tiny_model_dir}, trainable=True)
+    b = bound(PPOPolicyTrainer, "ppo_policy", {"model_path": tiny_model_dir}, trainable=True)
+    sa = a.train_step(copy.deepcopy(whole), 0)
+    sb = b.train_step(copy.deepcopy(halves), 0)
+    assert sa["policy_loss"] == pytest.approx(sb["policy_loss"], abs=1e-5)
+    for (n, pa), pb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.allclose(pa, pb, atol=1e-5), n
+    init = bound(PPOPolicyTrainer, "ppo_policy", {"model_path": tiny_model_dir}, trainable=True)
+    assert any(not torch.equal(p, q) for p, q in zip(a.model.parameters(), init.model.parameters()))
+
+    v = bound(PPOValueTrainer, "ppo_value", {"model_path": tiny_model_dir}, trainable=True)
+    st = v.train_step(copy.deepcopy(halves), 0)
+    assert st["value_loss"] > 0 and st["value_grad_norm"] > 0
+
+
+def test_value_and_trainer_start_identical_and_sync(tiny_model_dir):
+    value = bound(ValueModel, "value", {"model_path": tiny_model_dir})
+    trainer = bound(PPOValueTrainer, "ppo_value", {"model_path": tiny_model_dir}, trainable=True)
+    for (n, p), q in zip(value.model.state_dict().items(), trainer.model.state_dict().values()):
+        assert torch.equal(p, q), n
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.5)
+    value.set_weights(trainer.get_weights())
+    assert all(torch.equal(p, q) for p, q in zip(value.model.parameters(), trainer.model.parameters()))
+    with pytest.raises(RuntimeError, match="sync mismatch"):
+        value.set_weights({"nope": torch.zeros(1)})
+
+
+def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
+    rt = RuntimeConfig(output_dir=str(tmp_path), exp_name="ck")
+    t = PPOPolicyTrainer("ppo_policy")
+    t.bind(ModelConfig(num_cpu=1, trainable=True, args_dict={"model_path": tiny_model_dir}), rt, 0, seed=1)
+    t.setup()
+    path = t.save_checkpoint(5)
+    assert path.endswith("iter_0000005")
+    assert not (tmp_path / "ck" / "checkpoints" / "ppo_policy" / "iter_0000005.tmp").exists()
+    saved = {k: v.clone() for k, v in t.model.state_dict().items()}
+    with torch.no_grad():
+        for p in t.model.parameters():
+            p.zero_()
+    t.load_checkpoint(5)
+    assert all(torch.equal(saved[k], v) for k, v in t.model.state_dict().items())
+
+
+def test_max_digit_reward_rule():
+    assert max_digit_reward({"response": "7", "answer": "7"}) == 1.0
+    assert max_digit_reward({"response": "5", "answer": "7"}) == pytest.approx(0.5 * (1 - 2 / 9) + 0.5)
+    assert max_digit_reward({"response": "52", "answer": "7"}) == pytest.approx(0.5 * (1 - 2 / 9))
+    assert max_digit_reward({"response": "77", "answer": "7"}) == pytest.approx(0.5)
+    assert max_digit_reward({"response": "x7", "answer": "7"}) == 0.0
+    assert max_digit_reward({"response": "", "answer": "7"}) == 0.0
+
+
+def test_import_object_errors_are_clear():
+    assert import_object("chatlearn.tasks.max_digit:max_digit_reward") is max_digit_reward
+    with pytest.raises(ValueError, match="not of the form"):
+        import_object("nocolon")
+    with pytest.raises(ValueError, match="has no attribute"):
+        import_object("chatlearn.tasks.max_digit:nope")
