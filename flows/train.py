@@ -123,6 +123,7 @@ def train_flow(config: ConfigParam, modules: dict[str, Any] | None = None, engin
 def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], export: str | None,
                   run_dir: Path) -> dict:
     from flows.episode import episode_flow
+    from flows.tasks import evaluate
 
     rt = cfg.runtime
     reporter = EpisodeReporter(cfg, run_dir)
@@ -130,10 +131,17 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
                                            description=f"episodes of {rt.exp_name}")
     consumed, iteration = rt.consumed_samples, 0
     last: dict[str, Any] = {}
+    initial_eval = None
+    if rt.get("enable_eval_before_training") and run.eval_dataset_size:
+        # ChatLearn v1.2's enable_eval_before_training: the baseline the eval curve starts from
+        initial_eval = evaluate(run, cfg, -1)["eval_reward_mean"]
+        print(f"eval before training: eval_reward_mean={initial_eval:.4g}")
     try:
         for episode in range(rt.num_episode):
             t0 = time.perf_counter()
             metrics = episode_flow(run, cfg, episode, consumed, iteration)
+            if initial_eval is not None and episode == 0:
+                metrics["eval_reward_mean_before_training"] = initial_eval
             consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
             metrics["episode_seconds"] = time.perf_counter() - t0
             metrics["peak_memory_mb"] = max(ray.get([a.peak_memory.remote() for g in groups.values()

@@ -138,9 +138,9 @@ def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
 
 def test_max_digit_reward_rule():
     assert max_digit_reward({"response": "7", "answer": "7"}) == 1.0
-    assert max_digit_reward({"response": "5", "answer": "7"}) == pytest.approx(0.5 * (1 - 2 / 9) + 0.5)
-    assert max_digit_reward({"response": "52", "answer": "7"}) == pytest.approx(0.5 * (1 - 2 / 9))
-    assert max_digit_reward({"response": "77", "answer": "7"}) == pytest.approx(0.5)
+    assert max_digit_reward({"response": "72", "answer": "7"}) == 1.0
+    assert max_digit_reward({"response": "5", "answer": "7"}) == pytest.approx(0.5 * (1 - 2 / 9))
+    assert max_digit_reward({"response": "0x", "answer": "9"}) == 0.0
     assert max_digit_reward({"response": "x7", "answer": "7"}) == 0.0
     assert max_digit_reward({"response": "", "answer": "7"}) == 0.0
 

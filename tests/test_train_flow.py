@@ -69,3 +69,55 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     assert all(r.state.is_completed() for r in runs if r.name in ("episode-0", "episode-1"))
     keys = {a.key for a in arts}
     assert {"itest-progress", "itest-metrics"} <= keys
+
+
+def small_config(tmp_path, tiny_model_dir, exp_name, *extra):
+    from chatlearn.utils.config_loader import load_config
+
+    return load_config(os.path.join(REPO, "configs", "default.yaml"), [
+        "runtime.num_episode=1", "runtime.sample_per_episode=16", "runtime.generation_batch_size=8",
+        "runtime.train_micro_batch_size=8", "runtime.train_global_batch_size=16", "runtime.eval_episode_interval=0",
+        f"runtime.output_dir={tmp_path}", f"runtime.exp_name={exp_name}",
+        f"models.policy.args_dict.model_path={tiny_model_dir}", *extra,
+    ])
+
+
+def live_actor_names(namespace):
+    import ray
+
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+
+
+def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, tiny_model_dir, tmp_path,
+                                                    monkeypatch):
+    import chatlearn
+    from chatlearn.models.hf.policy import PolicyInference
+    from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer, PPOValueTrainer
+    from chatlearn.models.hf.reference import ReferenceModel
+    from chatlearn.models.hf.reward import RuleReward
+    from chatlearn.models.hf.value import ValueModel
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
+    chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine"))
+    engine = chatlearn.RLHFEngine(PolicyInference("policy"), ReferenceModel("reference"), RuleReward("reward"),
+                                  ValueModel("value"), PPOPolicyTrainer("ppo_policy"), PPOValueTrainer("ppo_value"))
+    result = engine.learn()
+    assert result["episode"] == 0 and result["train_steps"] == 1
+    rows = (tmp_path / "engine" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and "eval_reward_mean" not in json.loads(rows[0])
+    assert live_actor_names("chatlearn-engine") == []
+
+
+def test_a_failing_episode_fails_the_run_and_kills_the_actors(prefect_api, ray_session, tiny_model_dir, tmp_path,
+                                                              monkeypatch):
+    from flows import train_flow
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
+    # math.sqrt(sample_dict) raises TypeError inside the reward actor during the score task
+    cfg = small_config(tmp_path, tiny_model_dir, "boom", "models.reward.args_dict.reward_fn=math:sqrt")
+    with pytest.raises(Exception, match="must be real number|TypeError"):
+        train_flow(cfg)
+    assert live_actor_names("chatlearn-boom") == []
+    assert not (tmp_path / "boom" / "final").exists()

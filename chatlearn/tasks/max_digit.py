@@ -1,10 +1,9 @@
 """The embedded verifiable task: answer with the largest digit of the prompt.
 
-A prompt is `max 3 7 1 ?`, the answer is `7`. The reward is a rule, so no reward model is needed and the
-learning signal is exact: 1.0 for the right digit followed by end-of-sequence, 0 for a response that does
-not start with a digit, and in between two halves of partial credit (so a random-init policy gets a
-gradient from its first episode): up to 0.5 for how close the first digit is to the answer, and 0.5 for
-stopping right after one digit.
+A prompt is `max 3 7 1 ?`, the answer is `7`, read from the first character of the response. The reward
+is a rule, so no reward model is needed and the signal is exact: 1.0 when the response starts with the
+answer, partial credit (up to 0.5) for a first digit close to it, so a random-init policy gets a gradient
+from its first episode, and 0 when the response does not start with a digit.
 Run `python -m chatlearn.tasks.max_digit OUT_DIR` to regenerate the shipped JSONL files.
 """
 
@@ -24,17 +23,18 @@ def make_records(n: int, seed: int, min_digits: int = 3, max_digits: int = 4) ->
 
 
 def max_digit_reward(sample: dict) -> float:
-    """0.5 * closeness of the first digit to the answer + 0.5 if the response is that one digit alone."""
+    """1.0 if the response starts with the answer, 0.5 * closeness for another digit, else 0."""
     response = sample["response"].strip()
     if not response[:1].isdigit():
         return 0.0
-    closeness = 1.0 - abs(int(response[0]) - int(sample["answer"])) / 9.0
-    return 0.5 * closeness + (0.5 if len(response) == 1 else 0.0)
+    if response[0] == sample["answer"]:
+        return 1.0
+    return 0.5 * (1.0 - abs(int(response[0]) - int(sample["answer"])) / 9.0)
 
 
 def exact_match(sample: dict) -> float:
-    """1.0 when the response is exactly the answer (the eval metric)."""
-    return float(sample["response"].strip() == sample["answer"])
+    """1.0 when the response starts with the answer."""
+    return float(sample["response"].strip()[:1] == sample["answer"])
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

@@ -77,7 +77,7 @@ class PPOPolicyTrainer(TorchModule):
             loss, st = self.loss_fn(logprobs, mb["logprobs"].to(self.device), mb["advantages"].to(self.device),
                                     mask, cliprange=self.args.cliprange)
             (loss * w).backward()
-            stats["policy_loss"] += float(loss) * w
+            stats["policy_loss"] += float(loss.detach()) * w
             stats["clipfrac"] += st["clipfrac"] * w
             stats["approx_kl"] += st["approx_kl"] * w
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
@@ -118,7 +118,7 @@ class PPOValueTrainer(TorchModule):
             loss, st = self.loss_fn(values, mb["values"].to(self.device), mb["returns"].to(self.device), mask,
                                     cliprange_value=self.args.cliprange_value)
             (loss * w).backward()
-            stats["value_loss"] += float(loss) * w
+            stats["value_loss"] += float(loss.detach()) * w
             stats["vf_clipfrac"] += st["vf_clipfrac"] * w
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         self.optimizer.step()
