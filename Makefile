@@ -28,7 +28,7 @@ lint: setup
 	$(BIN)/ruff check chatlearn flows tests bench
 
 bench: setup
-	$(BIN)/python bench/episode_overhead.py
+	$(BIN)/python bench/default_run.py
 
 clean:
 	rm -rf output .pytest_cache

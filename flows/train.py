@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import ray
-from prefect import flow, get_run_logger
+from prefect import Flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from pydantic import BeforeValidator
 
 from chatlearn.data.prompts import load_records
-from chatlearn.runtime.engine import build_engine
+from chatlearn.runtime.engine import build_engine, load_run_config
 from chatlearn.runtime.handles import RunHandle
 from chatlearn.runtime.model_group import ModelGroup, create_model_group, required_cpus
 from chatlearn.runtime.reporting import EpisodeReporter
@@ -62,8 +62,7 @@ def init_ray(cfg: ChatLearnConfig, namespace: str) -> bool:
     return True
 
 
-@flow(name="chatlearn-train", log_prints=True)
-def train_flow(config: ConfigParam, modules: dict[str, Any] | None = None, engine: str | None = None) -> dict:
+def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: str | None = None) -> dict:
     """Train with a ChatLearn config (object or YAML path); returns the last episode's metrics."""
     logger = get_run_logger()
     cfg: ChatLearnConfig = config
@@ -118,6 +117,23 @@ def train_flow(config: ConfigParam, modules: dict[str, Any] | None = None, engin
             g.kill()
         if started_ray:
             ray.shutdown()
+
+
+class PrevalidatedFlow(Flow):
+    """A flow whose direct calls validate the config (all problems at once) before a flow run exists.
+
+    Deployment runs skip `__call__`; there Prefect validates the parameters against the config's schema
+    (server side, then in the flow run), and `build_engine` checks the module args before any actor exists.
+    """
+
+    def __call__(self, config: Any, modules: dict[str, Any] | None = None, engine: str | None = None,
+                 **kwargs: Any) -> Any:
+        cfg = load_run_config(config, None, modules)
+        build_engine(cfg, modules, engine)
+        return super().__call__(cfg, modules=modules, engine=engine, **kwargs)
+
+
+train_flow = PrevalidatedFlow(fn=_train, name="chatlearn-train", log_prints=True)
 
 
 def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], export: str | None,

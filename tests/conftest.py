@@ -34,7 +34,8 @@ def prefect_api():
 def ray_session():
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, namespace="chatlearn-tests", log_to_driver=False,
+    # fake GPUs are fine for scheduling checks; no test puts tensors on them
+    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, namespace="chatlearn-tests", log_to_driver=False,
              configure_logging=False)
     yield ray
     ray.shutdown()

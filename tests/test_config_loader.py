@@ -572,3 +572,23 @@ def test_other_chatlearn_configs_load(path):
     for model in cfg.models.values():
         assert model.num_replica >= 1
         assert model.generation_batch_size > 0
+
+
+def test_relative_prompt_paths_fall_back_to_the_config_folder(tmp_path, monkeypatch):
+    cfg_dir = tmp_path / "cfg"
+    (cfg_dir / "data").mkdir(parents=True)
+    (cfg_dir / "data" / "p.jsonl").write_text('{"prompt": "x"}\n')
+    (cfg_dir / "main.yaml").write_text(
+        "runtime:\n  data_path: data/p.jsonl\n  eval_data_path: data/p.jsonl\n"
+        "models:\n  policy:\n    num_cpu: 1\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(cfg_dir / "main.yaml")
+    assert cfg.runtime.data_path == str(cfg_dir / "data" / "p.jsonl")
+    assert cfg.runtime.get("eval_data_path") == str(cfg_dir / "data" / "p.jsonl")
+    # a file that exists relative to the working directory wins, as in ChatLearn
+    (elsewhere / "data").mkdir()
+    (elsewhere / "data" / "p.jsonl").write_text('{"prompt": "y"}\n')
+    assert load_config(cfg_dir / "main.yaml").runtime.data_path == "data/p.jsonl"

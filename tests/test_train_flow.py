@@ -12,37 +12,35 @@ pytestmark = pytest.mark.integration
 
 
 def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, tmp_path, monkeypatch):
+    """The embedded default as a YAML path, shortened to 2 episodes through its ${num_episode:20} variable."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from chatlearn.utils.config_loader import load_config
     from flows import train_flow
 
-    monkeypatch.chdir(REPO)
+    monkeypatch.chdir(tmp_path)  # prompt paths must resolve next to the config, from any directory
+    monkeypatch.setenv("num_episode", "2")
+    monkeypatch.setenv("CHATLEARN_OUTPUT_DIR", str(tmp_path))
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
-    cfg = load_config(os.path.join(REPO, "configs", "default.yaml"), [
-        "runtime.num_episode=2", "runtime.sample_per_episode=32", "runtime.generation_batch_size=16",
-        "runtime.train_micro_batch_size=8", "runtime.train_global_batch_size=16", "runtime.eval_episode_interval=1",
-        "runtime.save_episode_interval=2", f"runtime.output_dir={tmp_path}", "runtime.exp_name=itest",
-    ])
-    result = train_flow(cfg)
+    result = train_flow(os.path.join(REPO, "configs", "default.yaml"))
 
-    run_dir = tmp_path / "itest"
+    run_dir = tmp_path / "default"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["episode"] for r in rows] == [0, 1]
     for r in rows:
         assert 0.0 <= r["reward_mean"] <= 1.0
-        assert 0.0 <= r["eval_reward_mean"] <= 1.0
         assert r["episode_seconds"] > 0
-        assert r["train_steps"] == 2  # 32 samples / global batch 16
-        assert set(r["stage_seconds"]) >= {"generate", "score", "train", "sync", "checkpoint", "eval"}
-    assert rows[1]["consumed_samples"] == 64
-    assert rows[1]["iteration"] == 4
-    # save_episode_interval=2: the trainers checkpointed after episode 1 only, at trainer iteration 4
-    assert rows[0]["checkpoint_paths"] == {}
-    assert set(rows[1]["checkpoint_paths"]) == {"ppo_policy", "ppo_value"}
-    assert os.path.exists(os.path.join(rows[1]["checkpoint_paths"]["ppo_policy"], "model.safetensors"))
+        assert r["train_steps"] == 4  # 128 samples / global batch 32
+        assert r["response_length_mean"] <= 2  # max_new_tokens
+        assert set(r["stage_seconds"]) >= {"generate", "score", "train", "sync", "checkpoint"}
+    # eval every 2 episodes: after episode 1 only, plus the baseline before training
+    assert "eval_reward_mean" not in rows[0] and 0.0 <= rows[1]["eval_reward_mean"] <= 1.0
+    assert "eval" in rows[1]["stage_seconds"]
+    assert 0.0 <= rows[0]["eval_reward_mean_before_training"] <= 1.0
+    assert rows[1]["consumed_samples"] == 256
+    assert rows[1]["iteration"] == 8
+    assert rows[1]["checkpoint_paths"] == {}  # save_episode_interval is 10
 
     # the final policy is a loadable Hugging Face model, trained away from its init
     final = run_dir / "final" / "policy"
@@ -68,7 +66,7 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     assert {r.name for r in runs} >= {"episode-0", "episode-1"}
     assert all(r.state.is_completed() for r in runs if r.name in ("episode-0", "episode-1"))
     keys = {a.key for a in arts}
-    assert {"itest-progress", "itest-metrics"} <= keys
+    assert {"default-progress", "default-metrics"} <= keys
 
 
 def small_config(tmp_path, tiny_model_dir, exp_name, *extra):
@@ -99,13 +97,18 @@ def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, ti
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
-    chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine"))
+    chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine", "runtime.save_episode_interval=1"))
     engine = chatlearn.RLHFEngine(PolicyInference("policy"), ReferenceModel("reference"), RuleReward("reward"),
                                   ValueModel("value"), PPOPolicyTrainer("ppo_policy"), PPOValueTrainer("ppo_value"))
     result = engine.learn()
     assert result["episode"] == 0 and result["train_steps"] == 1
     rows = (tmp_path / "engine" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1 and "eval_reward_mean" not in json.loads(rows[0])
+    # save_episode_interval=1: both trainers saved at trainer iteration 1
+    paths = json.loads(rows[0])["checkpoint_paths"]
+    assert set(paths) == {"ppo_policy", "ppo_value"}
+    assert paths["ppo_policy"].endswith(os.path.join("checkpoints", "ppo_policy", "iter_0000001"))
+    assert os.path.exists(os.path.join(paths["ppo_value"], "model.safetensors"))
     assert live_actor_names("chatlearn-engine") == []
 
 
@@ -121,3 +124,25 @@ def test_a_failing_episode_fails_the_run_and_kills_the_actors(prefect_api, ray_s
         train_flow(cfg)
     assert live_actor_names("chatlearn-boom") == []
     assert not (tmp_path / "boom" / "final").exists()
+
+
+def test_bad_config_is_rejected_before_a_flow_run_exists(prefect_api):
+    import asyncio
+
+    from prefect import get_client
+
+    from chatlearn.utils.arguments import ConfigError
+    from flows import train_flow
+
+    async def count_runs():
+        async with get_client() as client:
+            return len(await client.read_flow_runs())
+
+    before = asyncio.run(count_runs())
+    bad = {"runtime": {"train_global_batch_size": 3},
+           "models": {"policy": {"num_cpu": 1, "args_dict": {"max_new_tokens": 0}}}}
+    with pytest.raises(ConfigError) as err:
+        train_flow(bad)
+    assert any(p.startswith("runtime.train_global_batch_size") for p in err.value.problems)
+    assert any(p.startswith("models.policy.args_dict.max_new_tokens") for p in err.value.problems)
+    assert asyncio.run(count_runs()) == before

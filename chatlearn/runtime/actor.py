@@ -55,8 +55,9 @@ class ModelActor:
         tok = getattr(self.module, "tokenizer", None)
         if tok is not None and tok.pad_token_id is not None:
             self.pad_token_id = int(tok.pad_token_id)
-        info = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "gpu_ids": ray.get_gpu_ids(), "setup_seconds": time.perf_counter() - t0}
+        ctx = ray.get_runtime_context()
+        info = {"pid": os.getpid(), "node": ctx.get_node_id(), "gpu_ids": ray.get_gpu_ids(),
+                "resources": ctx.get_assigned_resources(), "setup_seconds": time.perf_counter() - t0}
         if hasattr(self.module, "info"):
             info.update(self.module.info())
         return info

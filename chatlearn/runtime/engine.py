@@ -119,19 +119,50 @@ def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | Non
     return problems
 
 
-def load_run_config(config: "ChatLearnConfig | str", overrides: list[str] | None = None,
+def check_layout(cfg: ChatLearnConfig) -> list[str]:
+    """Layouts the runtime cannot run yet, said plainly instead of silently idling processes.
+
+    A replica of several processes needs the module to shard itself (data/tensor/pipeline parallel over
+    torch.distributed); the built-in modules do not yet, so each replica must be one process.
+    """
+    from chatlearn.runtime.model_group import replica_layout
+
+    problems = []
+    for name, m in cfg.models.items():
+        if m.num_gpu == 0 and m.num_cpu == 0:
+            continue  # reported by the generic checks
+        replicas, procs, _ = replica_layout(m)
+        if procs > 1:
+            unit, per = ("num_gpu", "gpu_per_process") if m.num_gpu else ("num_cpu", "cpu_per_process")
+            problems.append(
+                f"models.{name}.{unit}: {getattr(m, unit)} with {per}={getattr(m, per)} gives {procs} processes "
+                f"per replica ({replicas} replica(s)); multi-process replicas (data/tensor/pipeline parallel) "
+                f"are not supported yet: set {per} to {unit} / replicas, or use more replicas"
+            )
+    return problems
+
+
+def load_run_config(config: "ChatLearnConfig | dict | str", overrides: list[str] | None = None,
                     modules: dict[str, BaseModule] | None = None) -> ChatLearnConfig:
     """Load a config for training: the generic checks and the modules' `args_dict` checks in ONE error."""
     from chatlearn.utils.arguments import EXTRA_VALIDATORS
     from chatlearn.utils.config_loader import load_config, load_config_dict
 
     def module_args(cfg: ChatLearnConfig) -> list[str]:
-        return check_module_args(cfg, modules, skip_unknown=True)
+        return check_module_args(cfg, modules, skip_unknown=True) + check_layout(cfg)
 
     EXTRA_VALIDATORS.append(module_args)
     try:
+        if isinstance(config, ChatLearnConfig) and not overrides:
+            # already validated when it was built; only the run-specific checks are left
+            problems = module_args(config)
+            if problems:
+                raise ConfigError(problems)
+            return config
         if isinstance(config, ChatLearnConfig):
-            return load_config_dict(config.model_dump(mode="json"), None, overrides or [])
+            return load_config_dict(config.model_dump(mode="json"), None, overrides)
+        if isinstance(config, dict):
+            return load_config_dict(config, None, overrides or [])
         return load_config(config, overrides or [])
     finally:
         EXTRA_VALIDATORS.remove(module_args)

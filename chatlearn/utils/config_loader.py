@@ -376,4 +376,25 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ChatL
     config_dir = os.path.dirname(os.path.abspath(path))
     missing: list[tuple[str, str]] = []
     data = _load_file(path, config_dir, "", missing)
-    return _build(data, config_dir, overrides, missing)
+    return resolve_data_paths(_build(data, config_dir, overrides, missing), config_dir)
+
+
+def resolve_data_paths(cfg: ChatLearnConfig, config_dir: str) -> ChatLearnConfig:
+    """Relative prompt paths are relative to the working directory (as in ChatLearn); when a file is not
+    there but is next to the config, use that one, so a config runs from any directory."""
+    rt = cfg.runtime
+
+    def fix(path: str) -> str:
+        if os.path.isabs(path) or os.path.exists(path):
+            return path
+        beside = os.path.join(config_dir, path)
+        return beside if os.path.exists(beside) else path
+
+    if isinstance(rt.data_path, str):
+        rt.data_path = fix(rt.data_path)
+    elif isinstance(rt.data_path, list):
+        rt.data_path = [fix(p) for p in rt.data_path]
+    if isinstance(rt.get("eval_data_path"), str):
+        rt.eval_data_path = fix(rt.get("eval_data_path"))
+    return cfg
+
