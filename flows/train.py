@@ -57,7 +57,9 @@ def init_ray(cfg: ChatLearnConfig, namespace: str) -> bool:
             runtime_env["excludes"] = list(env.excludes) + [".venv", ".git", "output"]
         ray.init(address=address, runtime_env=runtime_env or None, **common)
         return True
-    cpus = max(os.cpu_count() or 1, int(required_cpus(cfg.models) + 0.999) + 1)
+    # Logical CPUs: what the actors ask for, plus room for the dispatch tasks' worker processes. Ray keeps
+    # at most `num_cpus` idle workers; fewer would make it kill and re-spawn them (seconds of imports) often.
+    cpus = max(os.cpu_count() or 1, int(required_cpus(cfg.models) + 0.999) + 4)
     ray.init(num_cpus=cpus, include_dashboard=False, **common)
     return True
 

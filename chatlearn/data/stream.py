@@ -4,6 +4,12 @@ The episode's `total` samples are cut into `ceil(total / micro)` micro-batches, 
 wrapping to the start of the buffer; the trainer runs `ceil(total / global)` iterations per epoch, each over
 `global // micro` micro-batches, a short last list padded by repeating its own head. Epochs after the first
 reshuffle the samples with a generator seeded by (seed, episode, epoch), so the order is reproducible.
+
+Which samples an episode trains on is `runtime.stream_data_loader_type` (`select_episode_samples`): "fixed"
+trains on exactly `sample_per_episode` samples, "dynamic" on everything the episode produced (reward functions
+that emit a variable number of samples per prompt). With relay on (`runtime.max_relay_episode != 0` and the
+episode at or past `relay_episode_offset`, see `chatlearn.data.relay`) the training set is the relay hook's
+output, whatever the loader type, as in ChatLearn: the loader type only applies to stream-mode episodes.
 """
 
 import math
@@ -14,7 +20,29 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+STREAM_LOADER_TYPES = ("fixed", "dynamic")
+
+
+def select_episode_samples(samples: list, loader_type: str, sample_per_episode: int) -> list:
+    """The samples a stream-mode episode trains on; "fixed" must not silently train on a partial episode."""
+    kind = str(loader_type).lower()
+    if kind == "fixed":
+        if len(samples) < sample_per_episode:
+            raise ValueError(
+                f"runtime.stream_data_loader_type='fixed' needs sample_per_episode={sample_per_episode} samples "
+                f"but the episode produced only {len(samples)}; ChatLearn's fixed loader would wait forever for "
+                f"the rest. Use stream_data_loader_type='dynamic' if rewards emit a variable number of samples."
+            )
+        return list(samples[:sample_per_episode])
+    if kind == "dynamic":
+        return list(samples)
+    raise ValueError(
+        f"unknown runtime.stream_data_loader_type {loader_type!r}; expected one of {list(STREAM_LOADER_TYPES)}"
+    )
+
+
 def micro_batches(samples: Sequence[T], micro: int) -> list[list[T]]:
+    """Fixed-size micro-batches; the short last one wraps to the buffer's start (ChatLearn pads by wrapping)."""
     n = len(samples)
     if n == 0:
         return []

@@ -4,9 +4,7 @@ It pins the thread count to the CPUs Ray granted, seeds torch from the run seed,
 implements weight export/import for parameter sync and safetensors checkpoints for trainable models.
 """
 
-import os
 import resource
-import shutil
 from typing import Any
 
 import torch
@@ -46,34 +44,36 @@ class TorchModule(BaseModule):
             raise RuntimeError(f"{self.name}: sync mismatch, missing={missing[:5]} unexpected={unexpected[:5]}")
 
     # -- checkpoints ----------------------------------------------------------------------------------------
+    scheduler: Any = None
+
     def save_checkpoint(self, iteration: int) -> str | None:
-        """Weights as safetensors plus optimizer state, written to a temp dir and renamed into place."""
+        """Weights (safetensors), optimizer, LR scheduler and RNG states, checksummed, written atomically."""
         if self.model is None:
             return None
-        from safetensors.torch import save_file
+        from chatlearn.checkpoint.model_checkpoint import capture_rng_state, save_model_checkpoint
 
-        final = self.checkpoint_dir(iteration)
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in self.model.state_dict().items()}
-        save_file(state, os.path.join(tmp, "model.safetensors"))
-        if self.optimizer is not None:
-            torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return final
+        return save_model_checkpoint(
+            self.checkpoint_dir(iteration),
+            self.model.state_dict(),
+            optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
+            scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
+            rng=capture_rng_state(),
+            meta={"model": self.name, "iteration": iteration},
+        )
 
     def load_checkpoint(self, iteration: int) -> None:
-        """Load what `save_checkpoint` wrote; `weights_only=True` so nothing arbitrary is unpickled."""
-        from safetensors.torch import load_file
+        """Restore what `save_checkpoint(iteration)` wrote, after verifying its checksums (no unpickling)."""
+        from chatlearn.checkpoint.model_checkpoint import load_model_checkpoint, restore_rng_state
 
-        path = self.checkpoint_dir(iteration)
         assert self.model is not None
-        self.model.load_state_dict(load_file(os.path.join(path, "model.safetensors")))
-        opt_path = os.path.join(path, "optimizer.pt")
-        if self.optimizer is not None and os.path.exists(opt_path):
-            self.optimizer.load_state_dict(torch.load(opt_path, weights_only=True))
+        state = load_model_checkpoint(self.checkpoint_dir(iteration), map_location=self.device)
+        self.model.load_state_dict(state["weights"], strict=True)
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state["rng"] is not None:
+            restore_rng_state(state["rng"])
 
     def peak_memory(self) -> float:
         if torch.cuda.is_available() and self.module_args.num_gpu > 0:

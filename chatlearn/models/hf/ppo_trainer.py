@@ -5,7 +5,10 @@ gradients of the micro-batches accumulated (each weighted by its share of the gl
 step equals one big batch's masked mean whatever the micro-batch size).
 """
 
+import functools
+import math
 import os
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -20,6 +23,7 @@ from chatlearn.models.hf.common import (
 )
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
 from chatlearn.models.torch_module import TorchModule
+from chatlearn.utils.arguments import RuntimeConfig
 
 
 class OptimArgs(HFModelArgs):
@@ -28,6 +32,11 @@ class OptimArgs(HFModelArgs):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, gt=0, description="clip the global grad norm to this")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="learning-rate schedule over the run's optimizer steps (after warmup)"
+    )
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 over this many optimizer steps")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of linear/cosine decay, as a fraction of lr")
 
 
 class PPOPolicyArgs(OptimArgs):
@@ -46,6 +55,28 @@ def _adamw(model: torch.nn.Module, args: OptimArgs) -> torch.optim.Optimizer:
                              betas=(args.adam_beta1, args.adam_beta2))
 
 
+def total_optimizer_steps(rt: RuntimeConfig) -> int:
+    """Optimizer steps of the whole run under the fixed stream: episodes x epochs x ceil(spe / global)."""
+    per_epoch = math.ceil(rt.sample_per_episode / rt.train_global_batch_size)
+    return max(1, rt.num_episode * rt.num_training_epoch * per_epoch)
+
+
+def lr_factor(step: int, args: OptimArgs, total: int) -> float:
+    """Multiplier of `lr` at optimizer step `step` (0-based): warmup, then constant/linear/cosine decay."""
+    if args.warmup_steps and step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_scheduler == "constant":
+        return 1.0
+    progress = min(1.0, (step - args.warmup_steps) / max(1, total - args.warmup_steps))
+    decay = 1.0 - progress if args.lr_scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return args.min_lr_ratio + (1.0 - args.min_lr_ratio) * decay
+
+
+def _scheduler(optimizer: torch.optim.Optimizer, args: OptimArgs, rt: RuntimeConfig):
+    total = total_optimizer_steps(rt)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, args=args, total=total))
+
+
 def _token_weights(data_list: list[dict]) -> list[float]:
     tokens = [float(mb["response_mask"].sum()) for mb in data_list]
     total = sum(tokens) or 1.0
@@ -60,6 +91,7 @@ class PPOPolicyTrainer(TorchModule):
         self.tokenizer = load_tokenizer(self.args.model_path)
         self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).train()
         self.optimizer = _adamw(self.model, self.args)
+        self.scheduler = _scheduler(self.optimizer, self.args, self.runtime_args)
         self.loss_fn = get_policy_loss(self.args.policy_loss)
 
     def train_step(self, data_list, iteration):
@@ -82,6 +114,8 @@ class PPOPolicyTrainer(TorchModule):
             stats["approx_kl"] += st["approx_kl"] * w
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         self.optimizer.step()
+        stats["policy_lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
         stats["policy_grad_norm"] = float(grad_norm)
         return stats
 
@@ -107,6 +141,7 @@ class PPOValueTrainer(TorchModule):
         self.model = ValueNetwork(self.args.model_path, self.args.dtype, self.args.head_seed).to(self.device)
         self.model.train()
         self.optimizer = _adamw(self.model, self.args)
+        self.scheduler = _scheduler(self.optimizer, self.args, self.runtime_args)
         self.loss_fn = get_value_loss(self.args.value_loss)
 
     def train_step(self, data_list, iteration):
@@ -122,6 +157,8 @@ class PPOValueTrainer(TorchModule):
             stats["vf_clipfrac"] += st["vf_clipfrac"] * w
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         self.optimizer.step()
+        stats["value_lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
         stats["value_grad_norm"] = float(grad_norm)
         return stats
 

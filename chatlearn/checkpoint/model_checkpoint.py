@@ -1,0 +1,142 @@
+"""A model checkpoint directory: safetensors weights, optimizer/scheduler/RNG state, and a checksummed manifest.
+
+Written into `<dir>.tmp-<pid>` and renamed into place, so a checkpoint directory either is complete or does
+not exist; the manifest (written last) lists every file with its SHA-256, and loading verifies them, so a
+file damaged later is reported instead of silently loaded. Nothing is unpickled on load: tensors come from
+safetensors, optimizer/scheduler state from `torch.load(weights_only=True)` (tensors and plain containers
+only), RNG state from JSON.
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or corrupt; the message names the path."""
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python and torch (CPU, and CUDA when present) RNG states, JSON-able."""
+    state: dict[str, Any] = {"python": _jsonable(random.getstate()), "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_tuplify(state["python"]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _tuplify(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_tuplify(v) for v in value)
+    return value
+
+
+def save_model_checkpoint(path: str, weights: dict[str, torch.Tensor], *, optimizer: dict | None = None,
+                          scheduler: dict | None = None, rng: dict | None = None,
+                          meta: dict[str, Any] | None = None) -> str:
+    """Write a complete checkpoint at `path` atomically (replacing an older one there)."""
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    files: list[str] = []
+    cpu_weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    save_file(cpu_weights, os.path.join(tmp, "model.safetensors"))
+    files.append("model.safetensors")
+    for name, obj in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
+        if obj is not None:
+            torch.save(obj, os.path.join(tmp, name))
+            files.append(name)
+    if rng is not None:
+        with open(os.path.join(tmp, "rng_state.json"), "w") as f:
+            json.dump(rng, f)
+        files.append("rng_state.json")
+    for name in files:
+        _fsync_file(os.path.join(tmp, name))
+    manifest = {"format_version": FORMAT_VERSION, "files": {n: sha256_file(os.path.join(tmp, n)) for n in files},
+                "meta": meta or {}}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):
+        old = f"{path}.old-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+def verify_model_checkpoint(path: str) -> dict[str, Any]:
+    """The manifest of a complete, uncorrupted checkpoint; `CheckpointError` otherwise."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {MANIFEST})")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest: {exc}") from exc
+    for name, digest in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing (listed in the manifest)")
+        if sha256_file(file) != digest:
+            raise CheckpointError(f"{file}: checksum mismatch, the file is corrupt")
+    return manifest
+
+
+def load_model_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Verify and read a checkpoint: {'weights', 'optimizer', 'scheduler', 'rng', 'meta'} (absent parts None)."""
+    from safetensors.torch import load_file
+
+    manifest = verify_model_checkpoint(path)
+    files = manifest["files"]
+    out: dict[str, Any] = {"meta": manifest.get("meta", {})}
+    out["weights"] = load_file(os.path.join(path, "model.safetensors"), device=str(map_location))
+    for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt")):
+        out[key] = torch.load(os.path.join(path, name), map_location=map_location, weights_only=True) \
+            if name in files else None
+    if "rng_state.json" in files:
+        with open(os.path.join(path, "rng_state.json")) as f:
+            out["rng"] = json.load(f)
+    else:
+        out["rng"] = None
+    return out
