@@ -10,6 +10,7 @@ from prefect import flow
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
+from chatlearn.runtime.faults import crash_point
 from chatlearn.runtime.handles import RunHandle
 from chatlearn.utils.arguments import ChatLearnConfig
 from flows.tasks import checkpoint, evaluate, generate, score, sync, train
@@ -31,11 +32,15 @@ def episode_flow(run: RunHandle, cfg: ChatLearnConfig, episode: int, consumed_sa
         synced = sync.submit(run, cfg, episode, trained)
         saved = checkpoint.submit(run, cfg, episode, trained)
         evaluated = evaluate.submit(run, cfg, episode, synced) if eval_due(cfg, episode) else None
+        rollouts.wait()
+        crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
 
     gen, exp, tr, sy, ck = rollouts.result(), experience.result(), trained.result(), synced.result(), saved.result()
     metrics: dict[str, Any] = {"episode": episode, "consumed_samples": consumed_samples + gen.meta["num_samples"]}
     metrics.update({k: v for k, v in tr.items() if k != "seconds"})
     metrics["checkpoint_paths"] = ck["paths"]
+    if ck["relay_path"]:
+        metrics["relay_checkpoint"] = ck["relay_path"]
     timing = {"generate": gen.meta["seconds"], "score": exp.meta["seconds"], "train": tr["seconds"],
               "sync": sy["seconds"], "checkpoint": ck["seconds"]}
     if evaluated is not None:

@@ -5,6 +5,7 @@ through Ray's object store. Prefect's cache is off for all of them: they act on 
 `train` would silently skip an update.
 """
 
+import os
 import time
 from typing import Any
 
@@ -59,13 +60,12 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
 
 @task(name="train", cache_policy=NO_CACHE)
 def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int) -> dict[str, Any]:
-    """Every trainer trains on the whole episode's experience (trainers run concurrently)."""
+    """The StreamDataset shapes the episode's samples (loader type, relay); every trainer trains on them."""
     t0 = time.perf_counter()
-    calls = {name: run.heads(name)[0].train.remote(*experience.refs, episode=episode,
-                                                  start_iteration=start_iteration)
+    samples_ref, metrics = ray.get(run.stream().episode_samples.remote(*experience.refs, episode=episode))
+    calls = {name: run.heads(name)[0].train.remote(samples_ref, episode=episode, start_iteration=start_iteration)
              for name in run.plan.trainers}
     results = dict(zip(calls, ray.get(list(calls.values())), strict=True))
-    metrics: dict[str, Any] = {}
     for res in results.values():
         metrics.update({k: v for k, v in res.items() if k not in ("iteration", "num_steps", "num_samples")})
     first = results[run.plan.trainers[0]] if results else {}
@@ -94,17 +94,34 @@ def sync(run: RunHandle, cfg: ChatLearnConfig, episode: int, trained: dict | Non
     return {"synced": synced, "seconds": time.perf_counter() - t0}
 
 
+def checkpoint_due(cfg: ChatLearnConfig, episode: int) -> bool:
+    interval = cfg.runtime.save_episode_interval
+    return bool(interval) and interval > 0 and (episode + 1) % interval == 0
+
+
+def models_to_checkpoint(run: RunHandle, cfg: ChatLearnConfig) -> list[str]:
+    """Trainers, plus inference copies that may lag their trainer (sync_frequency != 1)."""
+    lagging = [dst for _, dst in run.plan.sync if cfg.models[dst].sync_frequency != 1]
+    return list(run.plan.trainers) + lagging
+
+
 @task(name="checkpoint", cache_policy=NO_CACHE)
 def checkpoint(run: RunHandle, cfg: ChatLearnConfig, episode: int, trained: dict) -> dict[str, Any]:
-    """Trainable models save their state every `save_episode_interval` episodes."""
+    """Every `save_episode_interval` episodes, the model actors save their state and the relay its window.
+
+    The data checkpoint record that makes these the run's restart point is written by the train flow after
+    the episode (it is the commit), so a crash in between only wastes this episode's work.
+    """
     t0 = time.perf_counter()
-    interval = cfg.runtime.save_episode_interval
     paths: dict[str, str | None] = {}
-    if interval and (episode + 1) % interval == 0:
+    relay_path = None
+    if checkpoint_due(cfg, episode):
         iteration = trained["iteration"]
-        calls = {name: run.heads(name)[0].save_checkpoint.remote(iteration) for name in run.plan.trainers}
+        calls = {name: run.heads(name)[0].save_checkpoint.remote(iteration) for name in models_to_checkpoint(run, cfg)}
         paths = dict(zip(calls, ray.get(list(calls.values())), strict=True))
-    return {"paths": paths, "seconds": time.perf_counter() - t0}
+        relay_dir = os.path.join(run.data_checkpoint_path, "relay", f"iter_{iteration:07d}")
+        relay_path = ray.get(run.stream().save_relay.remote(relay_dir))
+    return {"paths": paths, "relay_path": relay_path, "seconds": time.perf_counter() - t0}
 
 
 @task(name="eval", cache_policy=NO_CACHE)

@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from chatlearn.data.batch import collate_samples, merge_batches, split_batch
+from chatlearn.data.batch import collate_samples, merge_batches
 from chatlearn.data.stream import training_batches
 from chatlearn.models.base_module import BaseModule
 from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
@@ -21,20 +21,6 @@ from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
 
 def _resolve(value: Any) -> Any:
     return ray.get(value) if isinstance(value, ray.ObjectRef) else value
-
-
-def experience_stats(samples: list[dict[str, Any]]) -> dict[str, float]:
-    """Episode-level numbers every RL run wants to see, from whatever the experience carries."""
-    stats: dict[str, float] = {}
-    if not samples:
-        return stats
-    if "scores" in samples[0]:
-        stats["reward_mean"] = sum(float(s["scores"]) for s in samples) / len(samples)
-    if "kl" in samples[0]:
-        stats["kl_mean"] = sum(float(s["kl"].sum()) for s in samples) / len(samples)
-    if "response_mask" in samples[0]:
-        stats["response_length_mean"] = sum(float(s["response_mask"].sum()) for s in samples) / len(samples)
-    return stats
 
 
 class ModelActor:
@@ -91,13 +77,13 @@ class ModelActor:
         return ray.put(out)
 
     # -- training -------------------------------------------------------------------------------------------
-    def train(self, *batches: Any, episode: int, start_iteration: int) -> dict[str, Any]:
-        """Train on one episode's experience: split into samples, re-batch, one `train_step` per global batch.
+    def train(self, samples: list[dict[str, Any]], episode: int, start_iteration: int) -> dict[str, Any]:
+        """Train on one episode's samples: re-batch, one `train_step` per global batch, for each epoch.
 
         Returns the mean of each metric over the steps and the trainer iteration reached.
         """
         t0 = time.perf_counter()
-        samples = [s for b in batches for s in split_batch(_resolve(b))]
+        samples = _resolve(samples)
         rt = self.runtime_args
         steps = training_batches(samples, rt.train_micro_batch_size, rt.train_global_batch_size,
                                  rt.num_training_epoch, seed=self.module.seed, episode=episode)
@@ -111,7 +97,6 @@ class ModelActor:
                 sums[k] = sums.get(k, 0.0) + float(v)
         self._tick("train", t0)
         result: dict[str, Any] = {k: v / max(1, len(steps)) for k, v in sums.items()}
-        result.update(experience_stats(samples))
         result.update(iteration=iteration, num_steps=len(steps), num_samples=len(samples))
         return result
 

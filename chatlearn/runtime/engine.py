@@ -119,6 +119,27 @@ def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | Non
     return problems
 
 
+def check_relay(cfg: ChatLearnConfig) -> list[str]:
+    """Relay on needs a hook that builds the training samples from the kept episodes (ChatLearn raises too)."""
+    from chatlearn.data.relay import load_hook
+
+    rt = cfg.runtime
+    hook = rt.get("relay_sample_fn")
+    problems = []
+    if rt.max_relay_episode < -1:
+        problems.append(f"runtime.max_relay_episode: must be -1 (all), 0 (off) or N > 0, got {rt.max_relay_episode}")
+    if rt.max_relay_episode != 0 and not hook:
+        problems.append(f"runtime.relay_sample_fn: max_relay_episode={rt.max_relay_episode} turns relay on, which "
+                        "needs a hook 'package.module:function' that builds each episode's training samples from "
+                        "the kept episodes (e.g. chatlearn.data.relay:concat_all)")
+    elif hook:
+        try:
+            load_hook(hook)
+        except ValueError as exc:
+            problems.append(f"runtime.relay_sample_fn: {exc}")
+    return problems
+
+
 def check_layout(cfg: ChatLearnConfig) -> list[str]:
     """Layouts the runtime cannot run yet, said plainly instead of silently idling processes.
 
@@ -149,7 +170,7 @@ def load_run_config(config: "ChatLearnConfig | dict | str", overrides: list[str]
     from chatlearn.utils.config_loader import load_config, load_config_dict
 
     def module_args(cfg: ChatLearnConfig) -> list[str]:
-        return check_module_args(cfg, modules, skip_unknown=True) + check_layout(cfg)
+        return check_module_args(cfg, modules, skip_unknown=True) + check_layout(cfg) + check_relay(cfg)
 
     EXTRA_VALIDATORS.append(module_args)
     try:

@@ -21,6 +21,13 @@ class RunHandle(BaseModel):
     dataset_size: int
     eval_dataset_size: int = 0
     run_dir: str
+    data_checkpoint_path: str = ""
+    stream_actor: str = ""
+    driver_pid: int = 0
+
+    def stream(self) -> Any:
+        """The run's StreamDataset actor."""
+        return ray.get_actor(self.stream_actor, namespace=self.namespace)
 
     def heads(self, model: str) -> list[Any]:
         """Process 0 of every replica of `model`."""

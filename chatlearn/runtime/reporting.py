@@ -1,6 +1,7 @@
 """Where per-episode metrics go: a progress bar, a metrics line, `metrics.jsonl`, and artifact tables."""
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -22,13 +23,29 @@ def _fmt(value: Any) -> str:
 class EpisodeReporter:
     """Appends one JSON object per episode to `metrics.jsonl` and shows progress in the terminal."""
 
-    def __init__(self, cfg: ChatLearnConfig, run_dir: Path):
+    def __init__(self, cfg: ChatLearnConfig, run_dir: Path, first_episode: int = 0):
+        """`first_episode` > 0 on resume: rows of earlier episodes are kept, later ones (written by the run
+        that crashed after its last checkpoint) are dropped, since those episodes run again."""
         self.cfg = cfg
         self.log_interval = max(1, cfg.runtime.log_interval or 1)
         self.path = run_dir / "metrics.jsonl"
-        self.rows: list[dict[str, Any]] = []
-        self.bar = tqdm(total=cfg.runtime.num_episode, desc="episodes", unit="ep", file=sys.stderr,
-                        dynamic_ncols=True)
+        self.rows = [r for r in self._read_rows() if r.get("episode", -1) < first_episode]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in self.rows))
+        os.replace(tmp, self.path)
+        self.bar = tqdm(total=cfg.runtime.num_episode, initial=first_episode, desc="episodes", unit="ep",
+                        file=sys.stderr, dynamic_ncols=True)
+
+    def _read_rows(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        rows = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut short by a crash: it and anything after belong to re-run episodes
+        return rows
 
     def artifact_key(self, what: str) -> str:
         """Prefect artifact keys allow lowercase letters, digits and dashes only."""
@@ -38,6 +55,8 @@ class EpisodeReporter:
         row = {k: v for k, v in metrics.items() if k not in ("eval_examples",)}
         with self.path.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         self.rows.append(row)
         self.bar.update(1)
         self.bar.set_postfix(reward=_fmt(metrics.get("reward_mean")), refresh=False)

@@ -1,0 +1,143 @@
+"""The data checkpoint: where a run stands, as a pydantic record in Prefect result storage.
+
+Each record (episode, consumed samples, trainer iteration, RNG state, relay buffer location, model checkpoint
+paths) is written through a Prefect `ResultStore` (JSON serializer) under `iter_<N>`, plus a `latest` pointer.
+Records are written to a temporary key and renamed, so a crash never leaves a half-written record under a
+real key; reading never uses Prefect's object decoder (which can import classes named in the file): the
+file is parsed as plain JSON and validated by pydantic, and every model checkpoint it points to has its
+checksums verified. A record that fails any of that is reported and skipped for the newest good one.
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from chatlearn.checkpoint.model_checkpoint import CheckpointError, verify_model_checkpoint
+
+logger = logging.getLogger("chatlearn.checkpoint")
+
+RECORD_RE = re.compile(r"^iter_(\d{7,})$")
+LATEST = "latest"
+
+
+class DataCheckpoint(BaseModel):
+    """Everything the driver needs to continue a run exactly where it stopped."""
+
+    format_version: int = 1
+    episode: int = Field(description="last completed episode (0-based)")
+    consumed_samples: int = Field(description="position in the prompt stream after that episode")
+    train_iteration: int = Field(description="trainer optimizer steps done")
+    sample_per_episode: int
+    seed: int
+    rng_state: dict[str, Any] = Field(default_factory=dict, description="driver RNG states (python, torch)")
+    relay_path: str | None = Field(None, description="relay buffer checkpoint directory, when relay is on")
+    model_checkpoints: dict[str, str] = Field(default_factory=dict, description="model name -> checkpoint dir")
+    created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+
+
+class DataCheckpointStore:
+    """Data checkpoint records under one directory (`runtime.data_checkpoint_path`)."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+
+    def _store(self):
+        from prefect.filesystems import LocalFileSystem
+        from prefect.results import ResultStore
+        from prefect.serializers import JSONSerializer
+
+        return ResultStore(result_storage=LocalFileSystem(basepath=self.path), serializer=JSONSerializer())
+
+    @staticmethod
+    def key(iteration: int) -> str:
+        return f"iter_{iteration:07d}"
+
+    def write(self, record: DataCheckpoint, crash_hook=None) -> str:
+        """Write `record` atomically, then point `latest` at it. Returns the record's file path."""
+        os.makedirs(self.path, exist_ok=True)
+        key = self.key(record.train_iteration)
+        store = self._store()
+        store.write(record.model_dump(mode="json"), key=key + ".tmp")
+        if crash_hook is not None:
+            crash_hook()
+        _fsync(os.path.join(self.path, key + ".tmp"))
+        os.replace(os.path.join(self.path, key + ".tmp"), os.path.join(self.path, key))
+        store.write({"key": key, "episode": record.episode, "train_iteration": record.train_iteration},
+                    key=LATEST + ".tmp")
+        os.replace(os.path.join(self.path, LATEST + ".tmp"), os.path.join(self.path, LATEST))
+        return os.path.join(self.path, key)
+
+    def iterations(self) -> list[int]:
+        """Train iterations of the records present, oldest first."""
+        if not os.path.isdir(self.path):
+            return []
+        its = [int(m.group(1)) for name in os.listdir(self.path) if (m := RECORD_RE.match(name))]
+        return sorted(its)
+
+    def read(self, iteration: int) -> DataCheckpoint:
+        """One record, fully checked (JSON, schema, and the model checkpoints it names); CheckpointError if bad."""
+        file = os.path.join(self.path, self.key(iteration))
+        try:
+            with open(file) as f:
+                outer = json.load(f)
+            serializer = outer["metadata"]["serializer"]["type"]
+            if serializer != "json":
+                raise CheckpointError(f"{file}: serializer {serializer!r} refused (only json is read)")
+            record = DataCheckpoint.model_validate(json.loads(outer["result"]))
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{file}: no such data checkpoint") from exc
+        except (ValueError, KeyError, TypeError, ValidationError) as exc:
+            raise CheckpointError(f"{file}: unreadable data checkpoint: {exc}") from exc
+        for name, path in record.model_checkpoints.items():
+            try:
+                verify_model_checkpoint(path)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{file}: model checkpoint of {name!r} is bad: {exc}") from exc
+        if record.relay_path is not None and not os.path.isfile(os.path.join(record.relay_path, "relay.json")):
+            raise CheckpointError(f"{file}: relay buffer checkpoint {record.relay_path} is missing")
+        return record
+
+    def latest_good(self) -> DataCheckpoint | None:
+        """The newest record that passes every check; bad ones are logged and skipped."""
+        for iteration in reversed(self.iterations()):
+            try:
+                return self.read(iteration)
+            except CheckpointError as exc:
+                logger.warning("skipping data checkpoint: %s", exc)
+        return None
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete all but the newest `keep` records, and the checkpoint files only they referenced."""
+        its = self.iterations()
+        drop, kept = its[:-keep] if keep > 0 else [], its[-keep:] if keep > 0 else its
+        referenced: set[str] = set()
+        for it in kept:
+            try:
+                rec = self.read(it)
+            except CheckpointError:
+                continue
+            referenced.update(rec.model_checkpoints.values())
+            if rec.relay_path:
+                referenced.add(rec.relay_path)
+        for it in drop:
+            file = os.path.join(self.path, self.key(it))
+            try:
+                rec = self.read(it)
+                for path in [*rec.model_checkpoints.values(), rec.relay_path]:
+                    if path and path not in referenced:
+                        shutil.rmtree(path, ignore_errors=True)
+            except CheckpointError:
+                pass
+            os.remove(file)
+        return drop
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

@@ -1,0 +1,63 @@
+"""The run's StreamDataset actor: turns an episode's experience into the trainers' sample list.
+
+As in ChatLearn, one actor per run sits between the environment and the trainers. It merges the experience
+batches into per-sample dicts, applies `stream_data_loader_type` (`fixed`: exactly `sample_per_episode`
+samples; `dynamic`: all that were produced) and the relay buffer (`max_relay_episode`, the user's
+`relay_sample_fn`), and hands every trainer the same list by ObjectRef. It holds the relay window, so it also
+saves and restores it for data checkpoints. It asks Ray for no CPU: it only reshapes data.
+"""
+
+from typing import Any
+
+import ray
+
+from chatlearn.data.batch import split_batch
+from chatlearn.data.relay import RelayBuffer, load_hook
+from chatlearn.data.stream import select_episode_samples
+from chatlearn.utils.arguments import RuntimeConfig
+
+
+def _resolve(value: Any) -> Any:
+    return ray.get(value) if isinstance(value, ray.ObjectRef) else value
+
+
+def experience_stats(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Episode-level numbers every RL run wants to see, from whatever the experience carries."""
+    stats: dict[str, float] = {}
+    if not samples:
+        return stats
+    if "scores" in samples[0]:
+        stats["reward_mean"] = sum(float(s["scores"]) for s in samples) / len(samples)
+    if "kl" in samples[0]:
+        stats["kl_mean"] = sum(float(s["kl"].sum()) for s in samples) / len(samples)
+    if "response_mask" in samples[0]:
+        stats["response_length_mean"] = sum(float(s["response_mask"].sum()) for s in samples) / len(samples)
+    return stats
+
+
+class StreamDataset:
+    def __init__(self, runtime_args: RuntimeConfig):
+        self.rt = runtime_args
+        hook = runtime_args.get("relay_sample_fn")
+        self.relay = RelayBuffer(runtime_args.max_relay_episode, runtime_args.relay_episode_offset,
+                                 load_hook(hook) if hook else None)
+
+    def episode_samples(self, *batches: Any, episode: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
+        """The episode's training samples (a ref owned by this actor) and the episode's experience stats."""
+        produced = [s for b in batches for s in split_batch(_resolve(b))]
+        own = select_episode_samples(produced, self.rt.stream_data_loader_type, self.rt.sample_per_episode)
+        relayed = self.relay.add_episode(episode, own)
+        samples = own if relayed is None else relayed
+        stats = experience_stats(own)
+        stats.update(num_samples=len(samples), relay_episodes=len(self.relay.episodes))
+        return ray.put(samples), stats
+
+    def save_relay(self, directory: str) -> str | None:
+        if not self.relay.enabled:
+            return None
+        self.relay.save(directory)
+        return directory
+
+    def load_relay(self, directory: str) -> list[int]:
+        self.relay.load(directory)
+        return self.relay.episodes
