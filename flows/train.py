@@ -8,6 +8,7 @@ bar + a metrics line every `log_interval` episodes), to `run_dir/metrics.jsonl`,
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -179,8 +180,10 @@ def restore(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup],
     if record.relay_path:
         ray.get(stream.load_relay.remote(record.relay_path))
     restore_rng_state(record.rng_state)
-    print(f"resuming after episode {record.episode + 1} (trainer iteration {record.train_iteration}, "
-          f"{record.consumed_samples} samples consumed) from {store.path}")
+    msg = (f"resuming after episode {record.episode + 1} (trainer iteration {record.train_iteration}, "
+           f"{record.consumed_samples} samples consumed) from {store.path}")
+    get_run_logger().info(msg)
+    sys.stderr.write(msg + "\n")  # the terminal shows it whatever the Prefect log level
     return record
 
 

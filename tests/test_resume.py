@@ -1,0 +1,73 @@
+"""Exact resume: a real `chatlearn train` process SIGKILLed at two different moments, then started again with
+the same command, ends with the uninterrupted run's final policy, bit for bit, and the same metrics rows.
+
+The kills come from `CHATLEARN_CRASH_AT` (chatlearn/runtime/faults.py): the process SIGKILLs itself at an
+exact point, (1) while episode 3 is being scored and trained, (2) halfway through writing the data checkpoint
+record of episode 2, after the model checkpoints were written. Relay is on, so its window must resume too.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+ARGS = [
+    "runtime.num_episode=4", "runtime.sample_per_episode=32", "runtime.generation_batch_size=16",
+    "runtime.train_micro_batch_size=8", "runtime.train_global_batch_size=16", "runtime.save_episode_interval=1",
+    "runtime.eval_episode_interval=2", "runtime.max_relay_episode=2",
+    "runtime.relay_sample_fn=chatlearn.data.relay:concat_all",
+]
+TIMING = ("episode_seconds", "stage_seconds", "peak_memory_mb")
+
+
+def train(out, exp, tiny_model_dir, crash=None):
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+               PREFECT_API_URL=PREFECT_API_URL.value())
+    env.pop("CHATLEARN_CRASH_AT", None)
+    if crash:
+        env["CHATLEARN_CRASH_AT"] = crash
+    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *ARGS, f"runtime.exp_name={exp}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def comparable_rows(run_dir):
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = {k: v for k, v in json.loads(line).items() if k not in TIMING}
+        row["checkpoint_paths"] = {k: os.path.relpath(v, run_dir) for k, v in row["checkpoint_paths"].items()}
+        if "relay_checkpoint" in row:
+            row["relay_checkpoint"] = os.path.relpath(row["relay_checkpoint"], run_dir)
+        rows.append(row)
+    return rows
+
+
+def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(prefect_api, tiny_model_dir, tmp_path):
+    ref = train(tmp_path, "ref", tiny_model_dir)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    expected_weights = load_file(str(tmp_path / "ref" / "final" / "policy" / "model.safetensors"))
+    expected_rows = comparable_rows(tmp_path / "ref")
+    assert [r["episode"] for r in expected_rows] == [0, 1, 2, 3]
+
+    for exp, crash, resumed_after in [("during-train", "after_generate:2", 2),
+                                      ("during-checkpoint", "data_checkpoint_write:1", 1)]:
+        killed = train(tmp_path, exp, tiny_model_dir, crash=crash)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        assert not (tmp_path / exp / "final").exists()
+        again = train(tmp_path, exp, tiny_model_dir)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"resuming after episode {resumed_after} " in again.stdout + again.stderr
+        weights = load_file(str(tmp_path / exp / "final" / "policy" / "model.safetensors"))
+        assert weights.keys() == expected_weights.keys()
+        assert all(torch.equal(weights[k], expected_weights[k]) for k in weights), exp
+        assert comparable_rows(tmp_path / exp) == expected_rows, exp
