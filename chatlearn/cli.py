@@ -1,4 +1,4 @@
-"""`chatlearn` command: `train [CONFIG] [key=value ...]`, `config [CONFIG] [key=value ...]`.
+"""`chatlearn` command: `train`, `eval` and `config`, each `[CONFIG] [key=value ...]`.
 
 Without CONFIG the embedded default (`configs/default.yaml`) is used. Dotted overrides after the config win
 over everything in the files (`runtime.num_episode=3 models.policy.num_cpu=1`). The config is validated,
@@ -42,6 +42,22 @@ def cmd_config(items: list[str]) -> int:
     return 0
 
 
+def cmd_eval(items: list[str]) -> int:
+    from chatlearn.runtime.engine import build_engine, load_run_config
+
+    path, overrides = _split_args(items)
+    cfg = load_run_config(path, overrides)
+    build_engine(cfg, engine="eval")
+    from chatlearn.runtime.prefect_server import local_prefect_api
+
+    with local_prefect_api(announce=lambda msg: print(msg, file=sys.stderr, flush=True)):
+        from flows.evaluate import eval_flow
+
+        metrics = eval_flow(cfg)
+    print(json.dumps(metrics, indent=1, default=str))
+    return 0
+
+
 def cmd_train(items: list[str]) -> int:
     cfg = _load(items)
     from chatlearn.runtime.prefect_server import local_prefect_api
@@ -64,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [("train", "train with a config (default: the embedded tiny PPO run)"),
+                        ("eval", "evaluate a policy on the eval set (models.policy.args_dict.model_path=DIR)"),
                         ("config", "validate a config and print it resolved, as JSON")]:
         p = sub.add_parser(name, help=help_)
         p.add_argument("args", nargs="*", metavar="CONFIG|key=value")
@@ -72,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from chatlearn.utils.arguments import ConfigError
 
     try:
-        return {"train": cmd_train, "config": cmd_config}[ns.command](ns.args)
+        return {"train": cmd_train, "eval": cmd_eval, "config": cmd_config}[ns.command](ns.args)
     except ConfigError as exc:
         print(f"chatlearn: invalid config ({len(exc.problems)} problem(s)):", file=sys.stderr)
         for problem in exc.problems:

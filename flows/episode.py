@@ -31,7 +31,8 @@ def episode_flow(run: RunHandle, cfg: ChatLearnConfig, episode: int, consumed_sa
         trained = train.submit(run, experience, episode, start_iteration)
         synced = sync.submit(run, cfg, episode, trained)
         saved = checkpoint.submit(run, cfg, episode, trained)
-        evaluated = evaluate.submit(run, cfg, episode, synced) if eval_due(cfg, episode) else None
+        evaluated = (evaluate.submit(run, cfg, episode, synced, trained)
+                     if eval_due(cfg, episode) else None)
         rollouts.wait()
         crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
 
@@ -45,7 +46,7 @@ def episode_flow(run: RunHandle, cfg: ChatLearnConfig, episode: int, consumed_sa
               "sync": sy["seconds"], "checkpoint": ck["seconds"]}
     if evaluated is not None:
         ev = evaluated.result()
-        metrics["eval_reward_mean"] = ev["eval_reward_mean"]
+        metrics.update(ev["metrics"])
         metrics["eval_examples"] = ev["examples"]
         timing["eval"] = ev["seconds"]
     metrics["stage_seconds"] = timing

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import ray
+import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -29,10 +30,16 @@ def generate(run: RunHandle, cfg: ChatLearnConfig, episode: int, consumed_sample
     t0 = time.perf_counter()
     producer = run.plan.producer
     heads = run.heads(producer)
+    shuffle_seed = int(cfg.runtime.get("seed") or 42) if cfg.runtime.get("data_shuffle") else None
     batches = episode_prompt_batches(run.dataset_size, consumed_samples, cfg.runtime.sample_per_episode,
-                                     _batch_size(cfg, producer), len(heads))
+                                     _batch_size(cfg, producer), len(heads), shuffle_seed)
     first_iteration = episode * len(batches)
-    outer = [heads[r].generate.remote(idx, first_iteration + i) for i, (r, idx) in enumerate(batches)]
+    outer, position = [], consumed_samples
+    for i, (r, idx) in enumerate(batches):
+        # stream positions identify samples: per-sample seeds make responses independent of the batching
+        outer.append(heads[r].generate.remote(idx, first_iteration + i,
+                                              sample_ids=list(range(position, position + len(idx)))))
+        position += len(idx)
     refs = ray.get(outer)  # waits for generation; only the small refs owned by the actors come back
     return RefBox(refs, seconds=time.perf_counter() - t0, num_batches=len(batches),
                   num_samples=sum(len(idx) for _, idx in batches), first_iteration=first_iteration)
@@ -124,9 +131,24 @@ def checkpoint(run: RunHandle, cfg: ChatLearnConfig, episode: int, trained: dict
     return {"paths": paths, "relay_path": relay_path, "seconds": time.perf_counter() - t0}
 
 
+def default_eval_metrics(results: list[dict[str, Any]], context: dict[str, Any]) -> dict[str, Any]:
+    """Mean score over the eval set (the post-processing used when no hook is configured)."""
+    scores = [float(r["scores"]) for r in results if "scores" in r]
+    return {"eval_reward_mean": sum(scores) / len(scores) if scores else None}
+
+
 @task(name="eval", cache_policy=NO_CACHE)
-def evaluate(run: RunHandle, cfg: ChatLearnConfig, episode: int, synced: dict | None = None) -> dict[str, Any]:
-    """Greedy responses of the producer on the eval set, scored by the evaluator model."""
+def evaluate(run: RunHandle, cfg: ChatLearnConfig, episode: int, synced: dict | None = None,
+             trained: dict | None = None) -> dict[str, Any]:
+    """The producer's eval responses (greedy by default) on the eval set, scored by the evaluator model, then
+    `runtime.eval_post_process_fn(results, {"episode_iteration", "train_iteration"})` turns the per-sample
+    results into metrics (ChatLearn's post_process_func); the default is the mean score."""
+    from prefect.artifacts import create_table_artifact
+
+    from chatlearn.data.batch import split_batch
+    from chatlearn.data.relay import load_hook
+    from chatlearn.runtime.reporting import artifact_key
+
     t0 = time.perf_counter()
     plan = run.plan
     heads = run.heads(plan.producer)
@@ -138,16 +160,19 @@ def evaluate(run: RunHandle, cfg: ChatLearnConfig, episode: int, synced: dict | 
         if scorer:
             g = scorer[i % len(scorer)].forward.remote(g, is_eval=True, keep_inputs=True)
         outs.append(g)
-    results = ray.get(ray.get(outs))
-    scores = [float(s) for res in results for s in res.get("scores", [])]
-    examples = [
-        {"prompt": p, "response": r, "score": float(s)}
-        for res in results[:1]
-        for p, r, s in zip(res.get("prompt", []), res.get("response", []), res.get("scores", []), strict=False)
-    ][:5]
-    return {
-        "eval_reward_mean": sum(scores) / len(scores) if scores else None,
-        "eval_num_samples": len(scores),
-        "examples": examples,
-        "seconds": time.perf_counter() - t0,
-    }
+    results = []
+    for batch in ray.get(ray.get(outs)):
+        for sample in split_batch(batch):
+            results.append({k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
+                            for k, v in sample.items() if not isinstance(v, torch.Tensor) or v.dim() == 0})
+    context = {"episode_iteration": episode, "train_iteration": (trained or {}).get("iteration")}
+    metrics = default_eval_metrics(results, context)
+    hook = cfg.runtime.get("eval_post_process_fn")
+    if hook:
+        metrics.update(load_hook(hook)(results, context))
+    examples = [{"prompt": r.get("prompt"), "response": r.get("response"), "score": r.get("scores")}
+                for r in results[:8]]
+    create_table_artifact(key=artifact_key(cfg.runtime.exp_name, "eval-examples"), table=examples,
+                          description=f"eval responses after episode {episode + 1}" if episode >= 0
+                          else "eval responses before training")
+    return {"metrics": metrics, "examples": examples, "seconds": time.perf_counter() - t0}

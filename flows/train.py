@@ -10,7 +10,6 @@ import logging
 import os
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -26,13 +25,12 @@ from pydantic import BeforeValidator
 
 from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
 from chatlearn.checkpoint.model_checkpoint import CheckpointError, capture_rng_state, restore_rng_state
-from chatlearn.data.prompts import load_records
 from chatlearn.runtime.engine import build_engine, load_run_config
 from chatlearn.runtime.faults import crash_point
 from chatlearn.runtime.handles import RunHandle
-from chatlearn.runtime.model_group import ModelGroup, create_model_group, required_cpus
+from chatlearn.runtime.launch import launch
+from chatlearn.runtime.model_group import ModelGroup
 from chatlearn.runtime.reporting import EpisodeReporter
-from chatlearn.runtime.stream_dataset import StreamDataset
 from chatlearn.utils.arguments import ChatLearnConfig
 from chatlearn.utils.config_loader import load_config
 
@@ -46,38 +44,8 @@ def _load_if_path(value: Any) -> Any:
 ConfigParam = Annotated[ChatLearnConfig, BeforeValidator(_load_if_path)]
 
 
-def init_ray(cfg: ChatLearnConfig, namespace: str) -> bool:
-    """Join `RAY_ADDRESS` (or an already initialized Ray), else start a local Ray sized for the models.
-
-    Returns whether this call started Ray (and so must shut it down). A local Ray gets at least as many
-    logical CPUs as the model actors ask for, so the default six CPU models schedule on a 2-core machine.
-    """
-    if ray.is_initialized():
-        return False
-    address = os.environ.get("RAY_ADDRESS")
-    common: dict[str, Any] = dict(namespace=namespace, log_to_driver=False, configure_logging=False)
-    if address:
-        env = cfg.runtime_env
-        runtime_env: dict[str, Any] = {}
-        if env.pip:
-            runtime_env["pip"] = list(env.pip)
-        if env.py_modules:
-            runtime_env["py_modules"] = list(env.py_modules)
-        if env.working_dir and cfg.runtime_env.get("upload_working_dir"):
-            runtime_env["working_dir"] = env.working_dir
-            runtime_env["excludes"] = list(env.excludes) + [".venv", ".git", "output"]
-        ray.init(address=address, runtime_env=runtime_env or None, **common)
-        return True
-    # Logical CPUs: what the actors ask for, plus room for the dispatch tasks' worker processes. Ray keeps
-    # at most `num_cpus` idle workers; fewer would make it kill and re-spawn them (seconds of imports) often.
-    cpus = max(os.cpu_count() or 1, int(required_cpus(cfg.models) + 0.999) + 4)
-    ray.init(num_cpus=cpus, include_dashboard=False, **common)
-    return True
-
-
 def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: str | None = None) -> dict:
     """Train with a ChatLearn config (object or YAML path); returns the last episode's metrics."""
-    logger = get_run_logger()
     cfg: ChatLearnConfig = config
     eng = build_engine(cfg, modules, engine)  # raises ConfigError before any actor exists
     rt = cfg.runtime
@@ -85,45 +53,7 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
     run_dir.mkdir(parents=True, exist_ok=True)
     seed = int(rt.get("seed") or 42)
 
-    prompts = load_records(rt.data_path)
-    eval_path = rt.get("eval_data_path")
-    eval_prompts = load_records(eval_path) if eval_path and rt.eval_episode_interval else []
-
-    # Build local model files (e.g. the embedded tiny Llama) once here, not racing in every actor.
-    for name, mod in eng.modules.items():
-        schema = getattr(mod, "args_schema", None)
-        if schema is not None and "tiny_model" in schema.model_fields:
-            from chatlearn.models.hf.common import ensure_model_files
-
-            ensure_model_files(schema.model_validate(cfg.models[name].args_dict or {}))
-
-    namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
-    started_ray = init_ray(cfg, namespace)
-    prefix = f"{uuid.uuid4().hex[:8]}-"
-    groups: dict[str, ModelGroup] = {}
-    stream = None
-    try:
-        t0 = time.perf_counter()
-        for name, mod in eng.modules.items():
-            groups[name] = create_model_group(name, mod, cfg.models[name], rt, seed, namespace, prefix)
-        stream = ray.remote(StreamDataset).options(name=prefix + "stream-dataset", namespace=namespace,
-                                                   num_cpus=0, max_restarts=0).remote(rt)
-        infos = ray.get([a.setup.remote() for g in groups.values() for a in g.actors])
-        logger.info("created %d actors for %d models in %.1fs", len(infos), len(groups), time.perf_counter() - t0)
-
-        producer = groups[eng.plan.producer]
-        prompts_ref = ray.put(prompts)
-        sizes = ray.get([a.build_dataset.remote(prompts_ref) for a in producer.heads])
-        if eval_prompts:
-            ray.get([a.build_dataset.remote(ray.put(eval_prompts), True) for a in producer.heads])
-        run = RunHandle(
-            namespace=namespace,
-            actors={n: [[prefix + f"{n}-r{r}-p{p}" for p in range(len(rep))] for r, rep in enumerate(g.replicas)]
-                    for n, g in groups.items()},
-            plan=eng.plan, dataset_size=sizes[0], eval_dataset_size=len(eval_prompts), run_dir=str(run_dir),
-            data_checkpoint_path=data_checkpoint_dir(cfg), stream_actor=prefix + "stream-dataset",
-            driver_pid=os.getpid(),
-        )
+    with launch(cfg, eng, seed, data_checkpoint_dir(cfg), with_train_data=True) as (run, groups, stream):
         resumed = restore(cfg, run, groups, stream)
         # ChatLearn syncs all parameters once before the first episode: inference copies start as the trainers.
         # (On resume, inference copies that may lag their trainer were restored from their own checkpoint.)
@@ -135,15 +65,7 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
 
             lagging = [m for m in models_to_checkpoint(run, cfg) if m not in eng.plan.trainers]
             ray.get([groups[m].heads[0].load_checkpoint.remote(resumed.train_iteration) for m in lagging])
-
         return _run_episodes(cfg, run, groups, eng.plan.export, run_dir, resumed)
-    finally:
-        for g in groups.values():
-            g.kill()
-        if stream is not None:
-            ray.kill(stream, no_restart=True)
-        if started_ray:
-            ray.shutdown()
 
 
 def data_checkpoint_dir(cfg: ChatLearnConfig) -> str:
@@ -224,7 +146,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     initial_eval = None
     if resumed is None and rt.get("enable_eval_before_training") and run.eval_dataset_size:
         # ChatLearn v1.2's enable_eval_before_training: the baseline the eval curve starts from
-        initial_eval = evaluate(run, cfg, -1)["eval_reward_mean"]
+        initial_eval = evaluate(run, cfg, -1, trained={"iteration": 0})["metrics"]["eval_reward_mean"]
         print(f"eval before training: eval_reward_mean={initial_eval:.4g}")
     try:
         for episode in range(first, rt.num_episode):

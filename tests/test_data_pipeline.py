@@ -110,3 +110,30 @@ def test_load_records_names_file_and_line(tmp_path):
     arr = tmp_path / "c.json"
     arr.write_text(json.dumps([{"prompt": "z"}]))
     assert load_records(str(arr)) == [{"prompt": "z"}]
+
+
+def test_missing_prompt_field_names_file_and_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    with pytest.raises(DataError, match=r"p\.jsonl:2: field 'prompt' must be a string, it is missing"):
+        load_records(str(f), "prompt")
+    g = tmp_path / "q.json"
+    g.write_text('[{"prompt": "a"}, {"prompt": 3}]')
+    with pytest.raises(DataError, match=r"q\.json: record 1: field 'prompt' must be a string, it is a int"):
+        load_records(str(g), "prompt")
+    assert len(load_records([str(f)])) == 2  # no key required: both records load
+
+
+def test_shuffled_stream_is_a_function_of_seed_and_position():
+    from chatlearn.data.sampler import stream_index
+
+    ep0 = episode_prompt_batches(10, 0, 10, 4, 1, shuffle_seed=7)
+    first_pass = [i for _, idx in ep0 for i in idx]
+    assert sorted(first_pass) == list(range(10)) and first_pass != list(range(10))
+    # resume at consumed=4 continues exactly where the uninterrupted stream is
+    resumed = [i for _, idx in episode_prompt_batches(10, 4, 6, 4, 1, shuffle_seed=7) for i in idx]
+    assert resumed == first_pass[4:]
+    # the next pass over the data is another permutation; another seed is another order
+    second = [stream_index(p, 10, 7) for p in range(10, 20)]
+    assert sorted(second) == list(range(10)) and second != first_pass
+    assert [stream_index(p, 10, 8) for p in range(10)] != first_pass

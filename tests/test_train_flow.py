@@ -146,3 +146,19 @@ def test_bad_config_is_rejected_before_a_flow_run_exists(prefect_api):
     assert any(p.startswith("runtime.train_global_batch_size") for p in err.value.problems)
     assert any(p.startswith("models.policy.args_dict.max_new_tokens") for p in err.value.problems)
     assert asyncio.run(count_runs()) == before
+
+
+def test_eval_flow_scores_a_saved_policy_with_the_post_processing_hook(prefect_api, ray_session, tiny_model_dir,
+                                                                       tmp_path, monkeypatch):
+    from flows.evaluate import eval_flow
+
+    monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
+    cfg = small_config(tmp_path, tiny_model_dir, "evalonly")
+    metrics = eval_flow(cfg)
+    saved = json.loads((tmp_path / "evalonly" / "eval.json").read_text())
+    assert saved == json.loads(json.dumps(metrics))
+    assert metrics["eval_num_samples"] == 128
+    # the default config's hook adds exact match next to the mean reward; exact answers score 1.0
+    assert 0.0 <= metrics["eval_exact_match"] <= metrics["eval_reward_mean"] <= 1.0
+    assert metrics["model_path"] == tiny_model_dir
+    assert live_actor_names("chatlearn-evalonly") == []

@@ -10,8 +10,12 @@ class DataError(ValueError):
     """A prompt file that cannot be used; the message names the file (and line)."""
 
 
-def load_records(paths: str | Sequence[str]) -> list[dict[str, Any]]:
-    """All records of one path or a list of paths, in order. JSONL: one object per line; JSON: a list."""
+def load_records(paths: str | Sequence[str], required_key: str | None = None) -> list[dict[str, Any]]:
+    """All records of one path or a list of paths, in order. JSONL: one object per line; JSON: a list.
+
+    With `required_key`, every record must hold a string under it (e.g. the prompt), checked here on the
+    driver so the error can name the file and line before any actor starts.
+    """
     if isinstance(paths, str | Path):
         paths = [str(paths)]
     records: list[dict[str, Any]] = []
@@ -30,6 +34,7 @@ def load_records(paths: str | Sequence[str]) -> list[dict[str, Any]]:
             for i, rec in enumerate(data):
                 if not isinstance(rec, dict):
                     raise DataError(f"{path}: record {i} is not an object")
+                _check_key(rec, required_key, f"{path}: record {i}")
             records.extend(data)
             continue
         for lineno, line in enumerate(text.splitlines(), start=1):
@@ -41,7 +46,14 @@ def load_records(paths: str | Sequence[str]) -> list[dict[str, Any]]:
                 raise DataError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from exc
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            _check_key(rec, required_key, f"{path}:{lineno}")
             records.append(rec)
     if not records:
         raise DataError(f"{', '.join(map(str, paths))}: no records")
     return records
+
+
+def _check_key(rec: dict[str, Any], key: str | None, where: str) -> None:
+    if key is not None and not isinstance(rec.get(key), str):
+        found = "missing" if key not in rec else f"a {type(rec[key]).__name__}"
+        raise DataError(f"{where}: field {key!r} must be a string, it is {found}")

@@ -7,6 +7,9 @@ replicas, earlier replicas taking the extra item. Everything is a function of (d
 `consumed_samples`), so a resumed run sees exactly the prompts the uninterrupted run would have.
 """
 
+import functools
+import random
+
 
 def split_index(length: int, num_splits: int) -> list[tuple[int, int]]:
     """Near-equal contiguous [start, end) ranges; e.g. 10 into 3 -> (0,4), (4,7), (7,10)."""
@@ -19,10 +22,29 @@ def split_index(length: int, num_splits: int) -> list[tuple[int, int]]:
     return out
 
 
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(dataset_size: int, seed: int, epoch: int) -> tuple[int, ...]:
+    order = list(range(dataset_size))
+    random.Random(f"{seed}-{epoch}").shuffle(order)
+    return tuple(order)
+
+
+def stream_index(position: int, dataset_size: int, shuffle_seed: int | None = None) -> int:
+    """Dataset index at a stream position: in file order, or shuffled once per pass over the data (seeded)."""
+    if shuffle_seed is None:
+        return position % dataset_size
+    return _epoch_permutation(dataset_size, shuffle_seed, position // dataset_size)[position % dataset_size]
+
+
 def episode_prompt_batches(
-    dataset_size: int, consumed_samples: int, sample_per_episode: int, batch_size: int, num_replica: int
+    dataset_size: int, consumed_samples: int, sample_per_episode: int, batch_size: int, num_replica: int,
+    shuffle_seed: int | None = None,
 ) -> list[tuple[int, list[int]]]:
-    """(replica, prompt indices) for every generation batch of one episode, in dispatch order."""
+    """(replica, prompt indices) for every generation batch of one episode, in dispatch order.
+
+    `shuffle_seed` (ChatLearn v1.0.3's `data_shuffle`) permutes each pass over the dataset with a generator
+    seeded by (seed, pass), so the order is still a pure function of (seed, consumed_samples).
+    """
     if dataset_size <= 0:
         raise ValueError("the prompt dataset is empty")
     out: list[tuple[int, list[int]]] = []
@@ -30,7 +52,7 @@ def episode_prompt_batches(
     position = consumed_samples
     while produced < sample_per_episode:
         n = min(batch_size * num_replica, sample_per_episode - produced)
-        global_batch = [(position + k) % dataset_size for k in range(n)]
+        global_batch = [stream_index(position + k, dataset_size, shuffle_seed) for k in range(n)]
         position += n
         produced += n
         for replica, (start, end) in enumerate(split_index(n, num_replica)):

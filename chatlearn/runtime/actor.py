@@ -56,11 +56,18 @@ class ModelActor:
         self.datasets[is_eval] = self.module.build_dataset(prompts, is_eval)
         return len(self.datasets[is_eval])
 
-    def generate(self, indices: list[int], iteration: int, is_eval: bool = False) -> ray.ObjectRef:
-        """Collate dataset items `indices` and run `forward_step` (or `eval_step`) on them."""
+    def generate(self, indices: list[int], iteration: int, is_eval: bool = False,
+                 sample_ids: list[int] | None = None) -> ray.ObjectRef:
+        """Collate dataset items `indices` and run `forward_step` (or `eval_step`) on them.
+
+        `sample_ids` (the samples' positions in the prompt stream) go into dict batches as `sample_id`, so a
+        module can seed per sample instead of per batch.
+        """
         t0 = time.perf_counter()
         dataset = self.datasets[is_eval]
         batch = self.module.collate_fn([dataset[i] for i in indices])
+        if isinstance(batch, dict):
+            batch["sample_id"] = list(sample_ids if sample_ids is not None else indices)
         out = self.module.eval_step(batch) if is_eval else self.module.forward_step(batch, iteration)
         self._tick("generate", t0)
         return ray.put(out)

@@ -69,9 +69,34 @@ class RLHFEngine(Engine):
         super().__init__(modules, plan)
 
 
-ENGINES: dict[str, type[Engine]] = {"rlhf": RLHFEngine}
+class EvalEngine(Engine):
+    """Evaluation alone: the policy answers the eval set, the reward scores it (ChatLearn's EvalEngine)."""
+
+    name = "eval"
+
+    def __init__(self, policy: BaseModule, reward: BaseModule):
+        plan = EpisodePlan(producer=policy.name, evaluator=reward.name)
+        super().__init__({m.name: m for m in (policy, reward)}, plan)
+
+    def learn(self, config: ChatLearnConfig | str | None = None, overrides: list[str] | None = None) -> dict:
+        return self.eval(config, overrides)
+
+    def eval(self, config: ChatLearnConfig | str | None = None, overrides: list[str] | None = None) -> dict:
+        """Score the eval set once; returns the eval metrics."""
+        from chatlearn import get_config
+        from flows.evaluate import eval_flow
+
+        if config is None:
+            config = get_config()
+        elif isinstance(config, str):
+            config = load_run_config(config, overrides or [], self.modules)
+        return eval_flow(config, modules=self.modules)
+
+
+ENGINES: dict[str, type[Engine]] = {"rlhf": RLHFEngine, "eval": EvalEngine}
 ENGINE_ROLES: dict[str, list[str]] = {
     "rlhf": ["policy", "reference", "reward", "value", "ppo_policy", "ppo_value"],
+    "eval": ["policy", "reward"],
 }
 
 
@@ -119,8 +144,8 @@ def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | Non
     return problems
 
 
-def check_relay(cfg: ChatLearnConfig) -> list[str]:
-    """Relay on needs a hook that builds the training samples from the kept episodes (ChatLearn raises too)."""
+def check_hooks(cfg: ChatLearnConfig) -> list[str]:
+    """Hooks named in the config must import; relay on needs its hook (ChatLearn raises too)."""
     from chatlearn.data.relay import load_hook
 
     rt = cfg.runtime
@@ -132,11 +157,13 @@ def check_relay(cfg: ChatLearnConfig) -> list[str]:
         problems.append(f"runtime.relay_sample_fn: max_relay_episode={rt.max_relay_episode} turns relay on, which "
                         "needs a hook 'package.module:function' that builds each episode's training samples from "
                         "the kept episodes (e.g. chatlearn.data.relay:concat_all)")
-    elif hook:
-        try:
-            load_hook(hook)
-        except ValueError as exc:
-            problems.append(f"runtime.relay_sample_fn: {exc}")
+    for key in ("relay_sample_fn", "eval_post_process_fn"):
+        spec = rt.get(key)
+        if spec:
+            try:
+                load_hook(spec)
+            except ValueError as exc:
+                problems.append(f"runtime.{key}: {exc}")
     return problems
 
 
@@ -170,7 +197,7 @@ def load_run_config(config: "ChatLearnConfig | dict | str", overrides: list[str]
     from chatlearn.utils.config_loader import load_config, load_config_dict
 
     def module_args(cfg: ChatLearnConfig) -> list[str]:
-        return check_module_args(cfg, modules, skip_unknown=True) + check_layout(cfg) + check_relay(cfg)
+        return check_module_args(cfg, modules, skip_unknown=True) + check_layout(cfg) + check_hooks(cfg)
 
     EXTRA_VALIDATORS.append(module_args)
     try:
@@ -209,5 +236,5 @@ def build_engine(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | None = N
     if problems:
         raise ConfigError(problems)
     if modules is None:
-        modules = {name: import_object(module_class_path(name, cfg))(name) for name in cfg.models}
+        modules = {name: import_object(module_class_path(name, cfg))(name) for name in roles}
     return ENGINES[engine_name](*[modules[r] for r in roles])

@@ -12,12 +12,17 @@ from tqdm import tqdm
 from chatlearn.utils.arguments import ChatLearnConfig
 
 # Column order of the metrics line and the artifact table (keys that are absent are skipped).
-LINE_KEYS = ["reward_mean", "eval_reward_mean", "kl_mean", "policy_loss", "value_loss", "clipfrac",
+LINE_KEYS = ["reward_mean", "eval_reward_mean", "eval_exact_match", "kl_mean", "policy_loss", "value_loss", "clipfrac",
              "response_length_mean", "episode_seconds", "peak_memory_mb"]
 
 
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def artifact_key(exp_name: str, what: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{exp_name}-{what}".lower()).strip("-")
 
 
 class EpisodeReporter:
@@ -48,8 +53,7 @@ class EpisodeReporter:
         return rows
 
     def artifact_key(self, what: str) -> str:
-        """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-        return re.sub(r"[^a-z0-9-]+", "-", f"{self.cfg.runtime.exp_name}-{what}".lower()).strip("-")
+        return artifact_key(self.cfg.runtime.exp_name, what)
 
     def record(self, metrics: dict[str, Any]) -> None:
         row = {k: v for k, v in metrics.items() if k not in ("eval_examples",)}
@@ -67,7 +71,7 @@ class EpisodeReporter:
             self.bar.write(f"[episode {episode + 1}/{self.cfg.runtime.num_episode}] " + " ".join(parts)
                            + f" | {stages}")
         for ex in metrics.get("eval_examples", [])[:2]:
-            self.bar.write(f"    eval: {ex['prompt']!r} -> {ex['response']!r} (score {ex['score']:.2f})")
+            self.bar.write(f"    eval: {ex['prompt']!r} -> {ex['response']!r} (score {_fmt(ex['score'])})")
 
     def table(self) -> list[dict[str, Any]]:
         return [{"episode": r["episode"], **{k: r.get(k) for k in LINE_KEYS}} for r in self.rows]

@@ -37,6 +37,15 @@ def exact_match(sample: dict) -> float:
     return float(sample["response"].strip()[:1] == sample["answer"])
 
 
+def eval_metrics(results: list[dict], context: dict) -> dict:
+    """Eval post-processing hook: mean reward and the fraction answered exactly."""
+    n = max(1, len(results))
+    return {
+        "eval_reward_mean": sum(max_digit_reward(r) for r in results) / n,
+        "eval_exact_match": sum(exact_match(r) for r in results) / n,
+    }
+
+
 def write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 

@@ -21,6 +21,39 @@ class PolicyArgs(HFModelArgs):
     eval_do_sample: bool = Field(False, description="sample during eval (default greedy)")
 
 
+class PerSampleSampler:
+    """A logits processor that makes greedy decoding sample, with one random stream per sample.
+
+    Gumbel-max: argmax(logits / T + Gumbel noise) is an exact draw from softmax(logits / T). The noise of row
+    i at step t comes from a generator seeded by (seed, sample_id[i], t), so a sample's response does not
+    depend on which batch, batch size or replica generated it; a resumed run and a run with another
+    `generation_batch_size` draw the same responses.
+    """
+
+    def __init__(self, seed: int, sample_ids: list[int], temperature: float, top_k: int, top_p: float):
+        self.seed, self.sample_ids = seed, list(sample_ids)
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1]
+        scores = scores.float() / self.temperature
+        vocab = scores.shape[-1]
+        if self.top_k and self.top_k < vocab:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+            cum = sorted_scores.softmax(-1).cumsum(-1)
+            drop = cum - sorted_scores.softmax(-1) >= self.top_p  # keep the smallest prefix reaching top_p
+            scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        noise = torch.empty_like(scores)
+        for row, sid in enumerate(self.sample_ids):
+            gen = torch.Generator(device="cpu").manual_seed((self.seed * 1_000_003 + sid) * 65_537 + step)
+            u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+            noise[row] = (-torch.log(-torch.log(u))).to(noise.device, noise.dtype)
+        return scores + noise
+
+
 def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """1 for tokens up to and including the first EOS of each row, 0 after it."""
     is_eos = (response_ids == eos_token_id).long()
@@ -55,11 +88,20 @@ class PolicyInference(TorchModule):
 
     @torch.no_grad()
     def _generate(self, data: dict, do_sample: bool, seed: int) -> dict:
+        from transformers import LogitsProcessorList
+
         torch.manual_seed(seed)
         prompt_ids = data["prompt_ids"].to(self.device)
         prompt_mask = data["prompt_mask"].to(self.device)
-        kwargs = dict(do_sample=do_sample, temperature=self.args.temperature, top_k=self.args.top_k,
-                      top_p=self.args.top_p) if do_sample else dict(do_sample=False)
+        if do_sample and data.get("sample_id") is not None:
+            sampler = PerSampleSampler(self.seed, data["sample_id"], self.args.temperature, self.args.top_k,
+                                       self.args.top_p)
+            kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
+        elif do_sample:
+            kwargs = dict(do_sample=True, temperature=self.args.temperature, top_k=self.args.top_k,
+                          top_p=self.args.top_p)
+        else:
+            kwargs = dict(do_sample=False)
         out = self.model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,

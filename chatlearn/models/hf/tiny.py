@@ -77,6 +77,8 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
             f"{path} holds a tiny model built with a different spec ({marker.read_text().strip()}); "
             "remove it or point model_path elsewhere"
         )
+    if (path / "config.json").exists():
+        return path  # a real (e.g. trained and exported) model: load it as it is
     if path.exists() and any(path.iterdir()):
         raise ValueError(f"{path} exists and is not a chatlearn tiny model; refusing to overwrite it")
 
