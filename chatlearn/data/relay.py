@@ -284,21 +284,21 @@ def _fsync_dir(directory: str) -> None:
 def load_hook(spec: str) -> Callable:
     """Import a hook named in a config as "package.module:function" (attribute path may be dotted)."""
     if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"relay hook {spec!r} must look like 'package.module:function'")
+        raise ValueError(f"hook {spec!r} must look like 'package.module:function'")
     module_name, attr_path = (part.strip() for part in spec.split(":"))
     if not module_name or not attr_path or any(not a for a in attr_path.split(".")):
-        raise ValueError(f"relay hook {spec!r} must look like 'package.module:function'")
+        raise ValueError(f"hook {spec!r} must look like 'package.module:function'")
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:
-        raise ValueError(f"relay hook {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+        raise ValueError(f"hook {spec!r}: cannot import module {module_name!r}: {exc}") from exc
     for attr in attr_path.split("."):
         try:
             obj = getattr(obj, attr)
         except AttributeError as exc:
-            raise ValueError(f"relay hook {spec!r}: {module_name!r} has no attribute {attr_path!r}") from exc
+            raise ValueError(f"hook {spec!r}: {module_name!r} has no attribute {attr_path!r}") from exc
     if not callable(obj):
-        raise ValueError(f"relay hook {spec!r} is a {type(obj).__name__}, not a callable")
+        raise ValueError(f"hook {spec!r} is a {type(obj).__name__}, not a callable")
     return obj
 
 
