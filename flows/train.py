@@ -53,6 +53,8 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
     run_dir.mkdir(parents=True, exist_ok=True)
     seed = int(rt.get("seed") or 42)
 
+    if rt.enable_resume_training and rt.load_data_checkpoint_iteration is not None:
+        chosen_checkpoint(cfg)  # a missing or bad record fails here, before any actor starts
     with launch(cfg, eng, seed, data_checkpoint_dir(cfg), with_train_data=True) as (run, groups, stream):
         resumed = restore(cfg, run, groups, stream)
         # ChatLearn syncs all parameters once before the first episode: inference copies start as the trainers.
@@ -73,6 +75,17 @@ def data_checkpoint_dir(cfg: ChatLearnConfig) -> str:
     return os.path.abspath(cfg.runtime.data_checkpoint_path or os.path.join(cfg.runtime.run_dir, "data_checkpoints"))
 
 
+def chosen_checkpoint(cfg: ChatLearnConfig) -> DataCheckpoint:
+    """The record `runtime.load_data_checkpoint_iteration` names; an error listing the available ones if bad."""
+    store = DataCheckpointStore(data_checkpoint_dir(cfg))
+    it = cfg.runtime.load_data_checkpoint_iteration
+    try:
+        return store.read(it)
+    except CheckpointError as exc:
+        raise CheckpointError(f"runtime.load_data_checkpoint_iteration={it}: {exc}; "
+                              f"available: {store.iterations()}") from exc
+
+
 def restore(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], stream: Any) -> DataCheckpoint | None:
     """Load the data checkpoint to resume from (if any) into the actors; None for a fresh start.
 
@@ -84,11 +97,7 @@ def restore(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup],
     if not rt.enable_resume_training:
         return None
     if rt.load_data_checkpoint_iteration is not None:
-        try:
-            record = store.read(rt.load_data_checkpoint_iteration)
-        except CheckpointError as exc:
-            raise CheckpointError(f"runtime.load_data_checkpoint_iteration={rt.load_data_checkpoint_iteration}: "
-                                  f"{exc}; available: {store.iterations()}") from exc
+        record = chosen_checkpoint(cfg)
     else:
         record = store.latest_good()
     if record is None:
