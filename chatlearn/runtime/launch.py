@@ -76,6 +76,10 @@ def launch(cfg: ChatLearnConfig, eng: Engine, seed: int, data_checkpoint_path: s
     eval_path = rt.get("eval_data_path")
     wants_eval = rt.eval_episode_interval or not with_train_data
     eval_prompts = load_records(eval_path, key) if eval_path and wants_eval else []
+    if producer_cfg.batch_generation.min_prompt_length:
+        logger.warning("models.%s.batch_generation.min_prompt_length=%d caps the first stage of Megatron's batch "
+                       "generation; Hugging Face generate has no such stage, so the built-in policy ignores it",
+                       eng.plan.producer, producer_cfg.batch_generation.min_prompt_length)
     if prompts and producer_cfg.batch_generation.ranking:
         from chatlearn.data.ranking import rank_prompts
 
