@@ -50,17 +50,15 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
     """Scorers (reference, value) run on each rollout batch in parallel; the final model (reward) merges."""
     t0 = time.perf_counter()
     plan = run.plan
+    if not plan.final:
+        raise ValueError("the episode plan has no final model to merge the rollouts and the scores into")
     scorer_heads = {name: run.heads(name) for name in plan.scorers}
-    final_heads = run.heads(plan.final) if plan.final else []
+    final_heads = run.heads(plan.final)
     outs = []
     for i, g in enumerate(rollouts.refs):
         it = rollouts.meta["first_iteration"] + i
         parts = [heads[i % len(heads)].forward.remote(g, iteration=it) for heads in scorer_heads.values()]
-        if final_heads:
-            outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts, iteration=it,
-                                                                         keep_inputs=True))
-        else:
-            outs.append(parts)
+        outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts, iteration=it, keep_inputs=True))
     refs = ray.get(outs)
     return RefBox(refs, seconds=time.perf_counter() - t0)
 

@@ -41,6 +41,13 @@ def wait_for_url(log, timeout=120):
     raise AssertionError(f"no URL in {log}: {log.read_text()}")
 
 
+def stopped(pid, timeout=5.0):
+    deadline = time.time() + timeout
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
 def test_overlapping_runs_share_one_server_and_the_last_stops_it(tmp_path):
     home = tmp_path / "home"
     a = start_holder(home, tmp_path / "release-a", tmp_path, "a")
@@ -60,11 +67,7 @@ def test_overlapping_runs_share_one_server_and_the_last_stops_it(tmp_path):
     # the last user out stops it
     (tmp_path / "release-b").touch()
     assert b.wait(60) == 0
-    for _ in range(50):
-        if not _alive(server_pid):
-            break
-        time.sleep(0.1)
-    assert not _alive(server_pid)
+    assert stopped(server_pid)
     assert not healthy(url_b)
 
 
@@ -80,8 +83,4 @@ def test_a_server_left_by_a_killed_run_is_adopted(tmp_path):
     assert wait_for_url(tmp_path / "b.log") == url
     (tmp_path / "release-b").touch()
     assert b.wait(60) == 0
-    for _ in range(50):
-        if not _alive(server_pid):
-            break
-        time.sleep(0.1)
-    assert not _alive(server_pid)
+    assert stopped(server_pid)

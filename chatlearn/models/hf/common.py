@@ -51,13 +51,18 @@ def full_sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return input_ids, attn, pos
 
 
-def response_logits(model: torch.nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
-    """Logits [B, R, V] that predict each response token."""
+def _response_positions(model: torch.nn.Module, batch: dict, device: torch.device):
+    """Run `model` on prompt+response; returns (output, slice of the positions that emit response tokens)."""
     input_ids, attn, pos = full_sequence(batch)
     out = model(input_ids=input_ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device))
     p = batch["prompt_ids"].shape[1]
-    r = batch["response_ids"].shape[1]
-    return out.logits[:, p - 1 : p - 1 + r, :]
+    return out, slice(p - 1, p - 1 + batch["response_ids"].shape[1])
+
+
+def response_logits(model: torch.nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
+    """Logits [B, R, V] that predict each response token."""
+    out, span = _response_positions(model, batch, device)
+    return out.logits[:, span, :]
 
 
 def response_logprobs(model: torch.nn.Module, batch: dict, device: torch.device, temperature: float = 1.0):
@@ -71,11 +76,8 @@ def response_logprobs(model: torch.nn.Module, batch: dict, device: torch.device,
 
 def response_hidden_states(backbone: torch.nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
     """Last hidden states [B, R, H] of the positions that emit each response token."""
-    input_ids, attn, pos = full_sequence(batch)
-    out = backbone(input_ids=input_ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device))
-    p = batch["prompt_ids"].shape[1]
-    r = batch["response_ids"].shape[1]
-    return out.last_hidden_state[:, p - 1 : p - 1 + r, :]
+    out, span = _response_positions(backbone, batch, device)
+    return out.last_hidden_state[:, span, :]
 
 
 def ensure_model_files(args: HFModelArgs) -> None:
