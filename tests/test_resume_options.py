@@ -52,6 +52,16 @@ def test_resume_from_a_chosen_iteration_and_fresh_start(prefect_api, ray_session
     reference_rows, reference_weights = rows(tmp_path), policy_weights(tmp_path)
     store = DataCheckpointStore(str(tmp_path / "opts" / "data_checkpoints"))
     assert store.iterations() == [4, 6, 8]  # max_data_ckpt_nums=3 dropped iteration 2's record
+    import asyncio
+
+    from prefect import get_client
+
+    async def pointer():
+        async with get_client() as client:
+            return await client.read_latest_artifacts()
+
+    arts = {a.key: a for a in asyncio.run(pointer())}
+    assert "trainer iteration 8" in arts["opts-data-checkpoint"].data
     assert sorted(os.listdir(tmp_path / "opts" / "checkpoints" / "ppo_policy")) == [
         "iter_0000004", "iter_0000006", "iter_0000008"]
 

@@ -66,7 +66,9 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     assert {r.name for r in runs} >= {"episode-0", "episode-1"}
     assert all(r.state.is_completed() for r in runs if r.name in ("episode-0", "episode-1"))
     keys = {a.key for a in arts}
-    assert {"default-progress", "default-metrics"} <= keys
+    assert {"default-progress", "default-metrics", "default-eval-examples"} <= keys
+    # the eval hook of the default config adds exact match to the rows
+    assert 0.0 <= rows[1]["eval_exact_match"] <= rows[1]["eval_reward_mean"]
 
 
 def small_config(tmp_path, tiny_model_dir, exp_name, *extra):
