@@ -73,9 +73,3 @@ def merge_batches(*batches: dict[str, Any]) -> dict[str, Any]:
     for b in batches:
         merged.update(b)
     return merged
-
-
-def concat_batches(batches: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:
-    """One batch from several (re-padded through the per-sample form)."""
-    samples = [s for b in batches for s in split_batch(b)]
-    return collate_samples(samples, pad_token_id)

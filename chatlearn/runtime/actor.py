@@ -33,7 +33,6 @@ class ModelActor:
         self.runtime_args = runtime_args
         self.datasets: dict[bool, Any] = {}
         self.pad_token_id = 0
-        self.timers: dict[str, float] = {}
 
     def setup(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -63,24 +62,20 @@ class ModelActor:
         `sample_ids` (the samples' positions in the prompt stream) go into dict batches as `sample_id`, so a
         module can seed per sample instead of per batch.
         """
-        t0 = time.perf_counter()
         dataset = self.datasets[is_eval]
         batch = self.module.collate_fn([dataset[i] for i in indices])
         if isinstance(batch, dict):
             batch["sample_id"] = list(sample_ids if sample_ids is not None else indices)
         out = self.module.eval_step(batch) if is_eval else self.module.forward_step(batch, iteration)
-        self._tick("generate", t0)
         return ray.put(out)
 
     # -- inference on upstream outputs ----------------------------------------------------------------------
     def forward(self, *inputs: Any, iteration: int = 0, is_eval: bool = False, keep_inputs: bool = False):
         """Run `forward_step`/`eval_step` on the merged inputs; with `keep_inputs` the output carries them."""
-        t0 = time.perf_counter()
         data = merge_batches(*[_resolve(x) for x in inputs])
         out = self.module.eval_step(data) if is_eval else self.module.forward_step(data, iteration)
         if keep_inputs:
             out = merge_batches(data, out)
-        self._tick("eval" if is_eval else "forward", t0)
         return ray.put(out)
 
     # -- training -------------------------------------------------------------------------------------------
@@ -89,7 +84,6 @@ class ModelActor:
 
         Returns the mean of each metric over the steps and the trainer iteration reached.
         """
-        t0 = time.perf_counter()
         samples = _resolve(samples)
         rt = self.runtime_args
         steps = training_batches(samples, rt.train_micro_batch_size, rt.train_global_batch_size,
@@ -102,7 +96,6 @@ class ModelActor:
             iteration += 1
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        self._tick("train", t0)
         result: dict[str, Any] = {k: v / max(1, len(steps)) for k, v in sums.items()}
         result.update(iteration=iteration, num_steps=len(steps), num_samples=len(samples))
         return result
@@ -130,9 +123,3 @@ class ModelActor:
     def peak_memory(self) -> float:
         return self.module.peak_memory()
 
-    def pop_timers(self) -> dict[str, float]:
-        timers, self.timers = self.timers, {}
-        return timers
-
-    def _tick(self, key: str, t0: float) -> None:
-        self.timers[key] = self.timers.get(key, 0.0) + time.perf_counter() - t0
