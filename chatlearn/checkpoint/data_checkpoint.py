@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 from chatlearn.checkpoint.model_checkpoint import CheckpointError, verify_model_checkpoint
+from chatlearn.utils.files import fsync_file
 
 logger = logging.getLogger("chatlearn.checkpoint")
 
@@ -66,7 +67,7 @@ class DataCheckpointStore:
         store.write(record.model_dump(mode="json"), key=key + ".tmp")
         if crash_hook is not None:
             crash_hook()
-        _fsync(os.path.join(self.path, key + ".tmp"))
+        fsync_file(os.path.join(self.path, key + ".tmp"))
         os.replace(os.path.join(self.path, key + ".tmp"), os.path.join(self.path, key))
         store.write({"key": key, "episode": record.episode, "train_iteration": record.train_iteration},
                     key=LATEST + ".tmp")
@@ -137,7 +138,3 @@ class DataCheckpointStore:
             os.remove(file)
         return drop
 
-
-def _fsync(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from chatlearn.utils.files import fsync_file
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
@@ -30,11 +32,6 @@ def sha256_file(path: str) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -86,7 +83,7 @@ def save_model_checkpoint(path: str, weights: dict[str, torch.Tensor], *, optimi
             json.dump(rng, f)
         files.append("rng_state.json")
     for name in files:
-        _fsync_file(os.path.join(tmp, name))
+        fsync_file(os.path.join(tmp, name))
     manifest = {"format_version": FORMAT_VERSION, "files": {n: sha256_file(os.path.join(tmp, n)) for n in files},
                 "meta": meta or {}}
     with open(os.path.join(tmp, MANIFEST), "w") as f:

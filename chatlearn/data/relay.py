@@ -15,7 +15,6 @@ ready-made ones. The window is checkpointed without pickle (`RelayBuffer.save` /
 detected instead of loading a mix of two saves.
 """
 
-import importlib
 import json
 import os
 import uuid
@@ -26,6 +25,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from chatlearn.utils.files import fsync_dir, fsync_file
+from chatlearn.utils.imports import import_object
 
 TENSORS_FILE = "relay.safetensors"
 META_FILE = "relay.json"
@@ -169,7 +171,7 @@ class RelayBuffer:
         tmp_meta = os.path.join(directory, f".{META_FILE}.{ckpt_id}.tmp")
         try:
             save_file(tensors, tmp_tensors, metadata={"checkpoint_id": ckpt_id})
-            _fsync_file(tmp_tensors)
+            fsync_file(tmp_tensors)
             with open(tmp_meta, "w", encoding="utf-8") as f:
                 json.dump(meta, f, allow_nan=True)
                 f.flush()
@@ -178,7 +180,7 @@ class RelayBuffer:
             # checkpoint ids differ, which `load` reports instead of mixing two saves.
             os.replace(tmp_tensors, final_tensors)
             os.replace(tmp_meta, final_meta)
-            _fsync_dir(directory)
+            fsync_dir(directory)
         finally:
             for tmp in (tmp_tensors, tmp_meta):
                 if os.path.exists(tmp):
@@ -260,43 +262,9 @@ def _check_jsonable(value: Any, where: str) -> None:
     )
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def load_hook(spec: str) -> Callable:
     """Import a hook named in a config as "package.module:function" (attribute path may be dotted)."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"hook {spec!r} must look like 'package.module:function'")
-    module_name, attr_path = (part.strip() for part in spec.split(":"))
-    if not module_name or not attr_path or any(not a for a in attr_path.split(".")):
-        raise ValueError(f"hook {spec!r} must look like 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(f"hook {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    for attr in attr_path.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError as exc:
-            raise ValueError(f"hook {spec!r}: {module_name!r} has no attribute {attr_path!r}") from exc
+    obj = import_object(spec, "function")
     if not callable(obj):
         raise ValueError(f"hook {spec!r} is a {type(obj).__name__}, not a callable")
     return obj

@@ -111,7 +111,7 @@ def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | Non
 
     With `skip_unknown`, models with no module to check against are left alone (`build_engine` reports them).
     """
-    from chatlearn.models.hf.reward import import_object
+    from chatlearn.utils.imports import import_object
 
     problems: list[str] = []
     for name in cfg.models:
@@ -126,7 +126,7 @@ def check_module_args(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | Non
                                 f"{name!r}; set args_dict.module to 'package.module:Class'")
                 continue
             try:
-                cls = import_object(spec)
+                cls = import_object(spec, "Class")
             except ValueError as exc:
                 problems.append(f"models.{name}.args_dict.module: {exc}")
                 continue
@@ -222,7 +222,7 @@ def build_engine(cfg: ChatLearnConfig, modules: dict[str, BaseModule] | None = N
 
     Raises `ConfigError` listing every problem (unknown engine, missing models, bad module args).
     """
-    from chatlearn.models.hf.reward import import_object
+    from chatlearn.utils.imports import import_object
 
     engine_name = engine or cfg.runtime.get("engine") or "rlhf"
     problems: list[str] = []

@@ -5,7 +5,6 @@ GAE advantages/returns) when the upstream outputs carry log-probs and values, as
 inference does. Whitening of advantages happens in the trainer, over each global batch.
 """
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,23 +16,7 @@ from chatlearn.data.batch import split_batch
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.hf.common import HFModelArgs, ensure_model_files, load_tokenizer
 from chatlearn.models.torch_module import TorchModule
-
-
-def import_object(spec: str) -> Any:
-    """'package.module:attr' -> the object (a clear error naming the spec otherwise)."""
-    if ":" not in spec:
-        raise ValueError(f"{spec!r} is not of the form 'package.module:name'")
-    mod_name, attr = spec.split(":", 1)
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import module {mod_name!r} of {spec!r}: {exc}") from exc
-    obj = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{mod_name!r} has no attribute {attr!r} (from {spec!r})")
-        obj = getattr(obj, part)
-    return obj
+from chatlearn.utils.imports import import_object
 
 
 class PPOExperienceArgs(BaseModel):
@@ -78,7 +61,7 @@ class RuleReward(_ExperienceMixin, BaseModule):
     args_schema = RuleRewardArgs
 
     def setup(self) -> None:
-        self.reward_fn: Callable[[dict], float] = import_object(self.args.reward_fn)
+        self.reward_fn: Callable[[dict], float] = import_object(self.args.reward_fn, "function")
 
     def score(self, data: dict) -> torch.Tensor:
         samples = split_batch({k: v for k, v in data.items() if not isinstance(v, torch.Tensor)})
