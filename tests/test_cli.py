@@ -48,3 +48,9 @@ def test_train_rejects_a_bad_config_before_starting_anything(tmp_path):
     assert "models.reward.args_dict" not in res.stderr or "reward_fn" in res.stderr
     assert "runtime.sample_per_episode" in res.stderr
     assert not (tmp_path / "server.json").exists()  # no Prefect server was started
+
+
+def test_an_unimportable_reward_function_is_a_config_error():
+    res = run("config", "models.reward.args_dict.reward_fn=chatlearn.tasks.max_digit:nope")
+    assert res.returncode == 2
+    assert "models.reward.args_dict.reward_fn:" in res.stderr and "has no attribute 'nope'" in res.stderr

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chatlearn.algorithms import get_advantage_estimator, kl_penalized_rewards
 from chatlearn.data.batch import split_batch
@@ -31,6 +31,14 @@ class PPOExperienceArgs(BaseModel):
 
 class RuleRewardArgs(PPOExperienceArgs):
     reward_fn: str = Field(..., description="'package.module:function' taking a sample dict, returning a float")
+
+    @field_validator("reward_fn")
+    @classmethod
+    def _importable(cls, spec: str) -> str:
+        # checked with the config, before any actor starts, not first in the reward actor's setup
+        if not callable(import_object(spec, "function")):
+            raise ValueError(f"{spec!r} is not a callable")
+        return spec
 
 
 class ModelRewardArgs(PPOExperienceArgs, HFModelArgs):
