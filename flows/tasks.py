@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from chatlearn.data.sampler import episode_prompt_batches, eval_prompt_batches
 from chatlearn.runtime.handles import RefBox, RunHandle
+from chatlearn.runtime.sync import copy_weights
 from chatlearn.utils.arguments import ChatLearnConfig
 
 
@@ -93,8 +94,7 @@ def sync(run: RunHandle, cfg: ChatLearnConfig, episode: int, trained: dict | Non
         freq = cfg.models[dst].sync_frequency
         if not freq or (episode + 1) % freq != 0:
             continue
-        weights = run.heads(src)[0].get_weights.remote()
-        ray.get([a.set_weights.remote(weights) for a in run.all_actors(dst)])
+        copy_weights(run.heads(src)[0], run.all_actors(dst))
         synced.append(f"{src}->{dst}")
     return {"synced": synced, "seconds": time.perf_counter() - t0}
 

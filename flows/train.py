@@ -31,6 +31,7 @@ from chatlearn.runtime.handles import RunHandle
 from chatlearn.runtime.launch import launch
 from chatlearn.runtime.model_group import ModelGroup
 from chatlearn.runtime.reporting import EpisodeReporter
+from chatlearn.runtime.sync import copy_weights
 from chatlearn.utils.arguments import ChatLearnConfig
 from chatlearn.utils.config_loader import load_config
 
@@ -60,8 +61,7 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
         # ChatLearn syncs all parameters once before the first episode: inference copies start as the trainers.
         # (On resume, inference copies that may lag their trainer were restored from their own checkpoint.)
         for src, dst in eng.plan.sync:
-            weights = groups[src].heads[0].get_weights.remote()
-            ray.get([a.set_weights.remote(weights) for a in groups[dst].actors])
+            copy_weights(groups[src].heads[0], groups[dst].actors)
         if resumed is not None:
             from flows.tasks import models_to_checkpoint
 
