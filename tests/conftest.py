@@ -47,3 +47,21 @@ def tiny_model_dir(tmp_path_factory):
     from chatlearn.models.hf.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def shared_reference():
+    """`../shared/reference` next to the repository (CI has it there too). Missing is a failure, never a skip."""
+    path = os.path.join(os.path.dirname(REPO), "shared", "reference")
+    assert os.path.isdir(path), f"the shared reference folder is missing: expected it at {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference_configs(shared_reference):
+    """ChatLearn 1.0.2's own YAML configs, in `../shared/reference/chatlearn-1.0.2-configs`."""
+    from pathlib import Path
+
+    path = Path(shared_reference) / "chatlearn-1.0.2-configs"
+    assert path.is_dir(), f"ChatLearn's reference configs are missing: expected them at {path}"
+    return path

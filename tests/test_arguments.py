@@ -3,9 +3,11 @@
 import json
 import os
 import pickle
+import re
 import warnings
 
 import pytest
+from pydantic import ValidationError
 
 from chatlearn.utils.arguments import (
     BatchGenerationConfig,
@@ -102,6 +104,21 @@ REFERENCE = {
     },
 }
 
+# Runtime keys ChatLearn reads as user extras (runtime_args.get) or added after 1.0.2, declared here as typed
+# fields after the reference's own, with ChatLearn's defaults where ChatLearn has one (data_shuffle: 1.0.3's).
+DECLARED_EXTRAS = {
+    RuntimeConfig: {
+        "seed": 42,
+        "engine": "rlhf",
+        "data_shuffle": True,
+        "eval_data_path": None,
+        "eval_post_process_fn": None,
+        "relay_sample_fn": None,
+        "enable_eval_before_training": False,
+    },
+}
+ALL_FIELDS = {cls: {**fields, **DECLARED_EXTRAS.get(cls, {})} for cls, fields in REFERENCE.items()}
+
 # Values that validation derives from the defaults (documented ChatLearn load-time behaviour).
 RESOLVED_ON_INSTANCE = {
     RuntimeConfig: {"train_global_batch_size": 2, "output_dir": os.path.join("./", "CHATLEARN")},
@@ -116,12 +133,25 @@ def _declared_default(cls, name):
 
 @pytest.mark.parametrize("cls", list(REFERENCE), ids=lambda c: c.__name__)
 def test_fields_match_reference_exactly(cls):
-    assert list(cls.model_fields) == list(REFERENCE[cls])
+    assert list(cls.model_fields) == list(REFERENCE[cls]) + list(DECLARED_EXTRAS.get(cls, {}))
+
+
+def test_reference_table_is_the_shared_reference(shared_reference):
+    # the table above is config-reference.txt: every class's fields, in its order
+    documented: dict[str, list[str]] = {}
+    current = None
+    with open(os.path.join(shared_reference, "config-reference.txt"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("class chatlearn.utils.arguments."):
+                current = documented.setdefault(line.strip().rsplit(".", 1)[1], [])
+            elif current is not None and re.match(r"^[a-z_]+(: [^=]+)? = ", line):
+                current.append(line.split(":")[0].split(" = ")[0].strip())
+    assert {cls.__name__: list(fields) for cls, fields in REFERENCE.items()} == documented
 
 
 @pytest.mark.parametrize(
     "cls,name,expected",
-    [(cls, name, value) for cls, fields in REFERENCE.items() for name, value in fields.items()],
+    [(cls, name, value) for cls, fields in ALL_FIELDS.items() for name, value in fields.items()],
     ids=lambda v: v.__name__ if isinstance(v, type) else str(v)[:20],
 )
 def test_declared_defaults_match_reference(cls, name, expected):
@@ -155,7 +185,7 @@ def test_dump_has_every_field_with_defaults():
     dumped = cfg.model_dump(mode="json")
     assert set(dumped) == {"runtime_env", "runtime", "models"}
     assert set(dumped["runtime_env"]) == set(REFERENCE[RuntimeEnvConfig])
-    assert set(dumped["runtime"]) == set(REFERENCE[RuntimeConfig])
+    assert set(dumped["runtime"]) == set(ALL_FIELDS[RuntimeConfig])
     assert set(dumped["models"]["policy"]) == set(REFERENCE[ModelConfig])
     assert set(dumped["models"]["policy"]["lora"]) == set(REFERENCE[LoraConfig])
     assert dumped["runtime"]["num_episode"] == 5000
@@ -308,14 +338,16 @@ def test_run_dir_and_output_dir_get_exp_name_once():
     assert cfg.runtime.run_dir == cfg.runtime.output_dir == os.path.join("runs", "e")
 
 
-def test_none_values_fall_back_to_defaults():
-    # ${VAR} with VAR unset gives None; ChatLearn then keeps the field's default.
-    rt = RuntimeConfig.model_validate({"output_dir": None, "exp_name": None, "num_episode": None})
-    assert rt.output_dir == "./CHATLEARN"
-    assert rt.num_episode == 5000
-    model = ModelConfig.model_validate({"num_gpu": 1, "args_dict": None, "lora": None})
-    assert model.args_dict == {}
-    assert model.lora == LoraConfig()
+def test_none_is_refused_where_the_default_is_not_none():
+    # ${VAR} with VAR unset gives None; ChatLearn 1.0.2 refuses it for a field whose default is not None
+    # (its type check), and so do we, instead of silently running with the default.
+    with pytest.raises(ValidationError) as info:
+        RuntimeConfig.model_validate({"output_dir": None, "exp_name": None, "num_episode": None})
+    assert {e["loc"][0] for e in info.value.errors()} == {"output_dir", "exp_name", "num_episode"}
+    with pytest.raises(ValidationError):
+        ModelConfig.model_validate({"num_gpu": None})
+    rt = RuntimeConfig.model_validate({"data_path": None, "save_episode_interval": None})  # None defaults
+    assert rt.data_path is None and rt.save_episode_interval is None
 
 
 def test_choices_are_normalized_case_insensitively():

@@ -5,9 +5,14 @@ import warnings
 import pytest
 from pydantic import ValidationError
 
-from chatlearn.utils import arguments
-from chatlearn.utils.arguments import ChatLearnConfig, ConfigError, ConfigWarning
-from chatlearn.utils.config_loader import load_config, load_config_dict
+from chatlearn.config import (
+    ChatLearnConfig,
+    ConfigError,
+    ConfigWarning,
+    collect_problems,
+    load_config,
+    load_config_dict,
+)
 
 
 def cfg(runtime=None, models=None, **top):
@@ -38,7 +43,7 @@ def test_valid_config_has_no_problems():
         )
     )
     assert c.runtime.train_global_batch_size == 16
-    assert arguments.collect_problems(c) == []
+    assert collect_problems(c) == []
 
 
 def test_global_batch_not_multiple_of_micro():
@@ -189,12 +194,15 @@ def test_section_of_wrong_shape():
         ({"train_micro_batch_size": 0}, "runtime.train_micro_batch_size"),
         ({"train_global_batch_size": -2}, "runtime.train_global_batch_size"),
         ({"log_interval": 0}, "runtime.log_interval"),
-        ({"max_relay_episode": -2}, "runtime.max_relay_episode"),
         ({"max_data_ckpt_nums": 0}, "runtime.max_data_ckpt_nums"),
     ],
 )
 def test_range_checks(runtime, path):
     assert path in paths_of(cfg(runtime))
+
+
+def test_max_relay_episode_below_minus_one_means_all_as_in_chatlearn():
+    assert ChatLearnConfig.model_validate(cfg({"max_relay_episode": -5})).runtime.max_relay_episode == -5
 
 
 def test_num_episode_zero_is_allowed():
@@ -274,32 +282,58 @@ def test_loader_aggregates_its_own_problems_with_validation(tmp_path):
     ]
 
 
-def test_extra_validators_are_aggregated(monkeypatch):
-    def no_huge_lr(config):
-        return [
-            f"models.{name}.args_dict.lr: too large"
-            for name, model in config.models.items()
-            if model.args_dict.get("lr", 0) > 1
-        ]
+class NoHugeLr:
+    """A check passed explicitly; counts its runs."""
 
-    monkeypatch.setattr(arguments, "EXTRA_VALIDATORS", [no_huge_lr])
+    def __init__(self):
+        self.runs = 0
+
+    def key(self, config):
+        return "no-huge-lr"
+
+    def __call__(self, config):
+        self.runs += 1
+        return [f"models.{name}.args_dict.lr: too large" for name, model in config.models.items()
+                if model.args_dict.get("lr", 0) > 1]
+
+
+def test_explicit_checks_are_aggregated_with_the_config_problems():
+    check = NoHugeLr()
     data = cfg(
         {"train_micro_batch_size": 2, "train_global_batch_size": 3},
         {"policy": {"num_gpu": 1, "args_dict": {"lr": 5}}},
     )
-    assert paths_of(data) == ["runtime.train_global_batch_size", "models.policy.args_dict.lr"]
+    with pytest.raises(ConfigError) as info:
+        load_config_dict(data, checks=[check])
+    assert [p.split(": ")[0] for p in info.value.problems] == [
+        "runtime.train_global_batch_size", "models.policy.args_dict.lr"]
     fine = cfg(models={"policy": {"num_gpu": 1, "args_dict": {"lr": 1e-5}}})
-    assert ChatLearnConfig.model_validate(fine).models["policy"].args_dict["lr"] == 1e-5
+    assert ChatLearnConfig.model_validate(fine).models["policy"].args_dict["lr"] == 1e-5  # no check: no lr rule
     with pytest.raises(ConfigError, match="args_dict.lr: too large"):
-        load_config_dict(fine, None, ["models.policy.args_dict.lr=2"])
+        load_config_dict(fine, None, ["models.policy.args_dict.lr=2"], checks=[check])
 
 
-def test_broken_extra_validator_is_reported_not_raised(monkeypatch):
-    def broken(config):
-        raise RuntimeError("boom")
+def test_a_config_runs_each_check_once():
+    check = NoHugeLr()
+    config = load_config_dict(cfg(), checks=[check])
+    assert check.runs == 1
+    assert load_config(config, checks=[check]) is config  # passed before: not run again
+    assert check.runs == 1
+    load_config(config, ["runtime.num_episode=3"], checks=[check])  # a new config: checked
+    assert check.runs == 2
 
-    monkeypatch.setattr(arguments, "EXTRA_VALIDATORS", [broken])
-    (problem,) = problems_of(cfg())
+
+def test_broken_check_is_reported_not_raised():
+    class Broken:
+        def key(self, config):
+            return "broken"
+
+        def __call__(self, config):
+            raise RuntimeError("boom")
+
+    with pytest.raises(ConfigError) as info:
+        load_config_dict(cfg(), checks=[Broken()])
+    (problem,) = info.value.problems
     assert "boom" in problem
 
 

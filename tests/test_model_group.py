@@ -3,20 +3,21 @@
 import pytest
 import ray
 
+from chatlearn.config import ModelConfig, RuntimeConfig
+from chatlearn.config.model import ReplicaLayout
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.model_group import create_model_group, replica_layout, required_cpus
-from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
+from chatlearn.runtime.model_group import create_model_group, required_cpus
 
 pytestmark = pytest.mark.integration
 
 
 def test_replica_layout_arithmetic():
-    assert replica_layout(ModelConfig(num_cpu=3)) == (3, 1, {"num_cpus": 1.0, "num_gpus": 0.0})
-    assert replica_layout(ModelConfig(num_cpu=4, cpu_per_process=2)) == (2, 1, {"num_cpus": 2.0, "num_gpus": 0.0})
-    assert replica_layout(ModelConfig(num_cpu=2, cpu_per_process=2, trainable=True))[:2] == (1, 1)
-    assert replica_layout(ModelConfig(num_gpu=4, gpu_per_process=1)) == (4, 1, {"num_gpus": 1.0, "num_cpus": 0.0})
-    assert replica_layout(ModelConfig(num_gpu=4, tensor_model_parallel_size=2))[:2] == (2, 2)
-    assert replica_layout(ModelConfig(num_device=2, trainable=True))[:2] == (1, 2)
+    assert ModelConfig(num_cpu=3).layout == ReplicaLayout(replicas=3, processes=1, gpus=0.0, cpus=1.0)
+    assert ModelConfig(num_cpu=4, cpu_per_process=2).layout == ReplicaLayout(2, 1, 0.0, 2.0)
+    assert ModelConfig(num_cpu=2, cpu_per_process=2, trainable=True).layout[:2] == (1, 1)
+    assert ModelConfig(num_gpu=4, gpu_per_process=1).layout == ReplicaLayout(4, 1, 1.0, 0.0)
+    assert ModelConfig(num_gpu=4, tensor_model_parallel_size=2).layout[:2] == (2, 2)
+    assert ModelConfig(num_device=2, trainable=True).layout[:2] == (1, 2)
     assert required_cpus({"a": ModelConfig(num_cpu=3), "b": ModelConfig(num_gpu=1)}) == 3.0
 
 
@@ -30,7 +31,7 @@ def test_replica_layout_arithmetic():
     ],
 )
 def test_actors_get_the_resources_of_their_config(ray_session, cfg, expected_replicas, expected_resources):
-    group = create_model_group("probe", BaseModule("probe"), cfg, RuntimeConfig(), seed=1)
+    group = create_model_group("probe", BaseModule("probe"), cfg, RuntimeConfig(seed=1))
     try:
         infos = ray.get([a.setup.remote() for a in group.actors])
         assert group.num_replica == expected_replicas

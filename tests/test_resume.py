@@ -1,7 +1,7 @@
 """Exact resume: a real `chatlearn train` process SIGKILLed at two different moments, then started again with
 the same command, ends with the uninterrupted run's final policy, bit for bit, and the same metrics rows.
 
-The kills come from `CHATLEARN_CRASH_AT` (chatlearn/runtime/faults.py): the process SIGKILLs itself at an
+The kills come from `CHATLEARN_CRASH_AT` (chatlearn/utils/faults.py): the process SIGKILLs itself at an
 exact point, (1) while episode 3 is being scored and trained, (2) halfway through writing the data checkpoint
 record of episode 2, after the model checkpoints were written. Relay is on, so its window must resume too.
 """

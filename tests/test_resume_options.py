@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 
 def config(tmp_path, tiny_model_dir, *extra):
-    from chatlearn.utils.config_loader import load_config
+    from chatlearn.config import load_config
 
     return load_config(os.path.join(REPO, "configs", "default.yaml"), [
         "runtime.num_episode=4", "runtime.sample_per_episode=16", "runtime.generation_batch_size=4",

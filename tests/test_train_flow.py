@@ -72,7 +72,7 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
 
 
 def small_config(tmp_path, tiny_model_dir, exp_name, *extra):
-    from chatlearn.utils.config_loader import load_config
+    from chatlearn.config import load_config
 
     return load_config(os.path.join(REPO, "configs", "default.yaml"), [
         "runtime.num_episode=1", "runtime.sample_per_episode=16", "runtime.generation_batch_size=8",
@@ -152,7 +152,7 @@ def test_bad_config_is_rejected_before_a_flow_run_exists(prefect_api):
 
 def test_eval_flow_scores_a_saved_policy_with_the_post_processing_hook(prefect_api, ray_session, tiny_model_dir,
                                                                        tmp_path, monkeypatch):
-    from flows.evaluate import eval_flow
+    from flows import eval_flow
 
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
     cfg = small_config(tmp_path, tiny_model_dir, "evalonly")

@@ -15,6 +15,7 @@ from chatlearn.algorithms.ppo import (
     masked_whiten,
     ppo_clipped_policy_loss,
     ppo_clipped_value_loss,
+    whiten_global_batch,
 )
 from chatlearn.algorithms.registry import (
     ADVANTAGE_ESTIMATORS,
@@ -42,6 +43,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "whiten_global_batch",
     "ppo_clipped_policy_loss",
     "ppo_clipped_value_loss",
     "register_advantage_estimator",

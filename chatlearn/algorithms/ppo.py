@@ -31,6 +31,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "whiten_global_batch",
     "kl_penalized_rewards",
     "gae_advantages_and_returns",
     "ppo_clipped_policy_loss",
@@ -138,6 +139,35 @@ def masked_whiten(
     if not shift_mean:
         whitened = whitened + mean
     return _zero_padding(whitened, mask)
+
+
+def whiten_global_batch(
+    xs: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-8
+) -> list[torch.Tensor]:
+    """:func:`masked_whiten` with one mean/variance over several micro-batches of different widths.
+
+    The trainer whitens advantages over its whole global batch (as ChatLearn does across data-parallel
+    ranks), whose micro-batches are padded to their own response lengths.
+
+    Args:
+        xs: ``[B_i, T_i]`` each.
+        masks: ``[B_i, T_i]`` each, bool or float 0/1.
+        eps: as in :func:`masked_whiten`.
+
+    Returns:
+        ``[B_i, T_i]`` each, exactly 0 at padded positions.
+    """
+    valid = [m.bool() for m in masks]
+    flat = torch.cat([x[v] for x, v in zip(xs, valid, strict=True)]).unsqueeze(0)
+    whitened = masked_whiten(flat, torch.ones_like(flat), eps=eps)[0]
+    out, start = [], 0
+    for x, v in zip(xs, valid, strict=True):
+        y = torch.zeros_like(x)
+        n = int(v.sum())
+        y[v] = whitened[start : start + n]
+        start += n
+        out.append(y)
+    return out
 
 
 # --------------------------------------------------------------------------------------

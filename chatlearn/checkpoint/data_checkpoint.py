@@ -16,6 +16,9 @@ import shutil
 from datetime import UTC, datetime
 from typing import Any
 
+from prefect.filesystems import LocalFileSystem
+from prefect.results import ResultStore
+from prefect.serializers import JSONSerializer
 from pydantic import BaseModel, Field, ValidationError
 
 from chatlearn.checkpoint.model_checkpoint import CheckpointError, verify_model_checkpoint
@@ -48,11 +51,7 @@ class DataCheckpointStore:
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
 
-    def _store(self):
-        from prefect.filesystems import LocalFileSystem
-        from prefect.results import ResultStore
-        from prefect.serializers import JSONSerializer
-
+    def _store(self) -> ResultStore:
         return ResultStore(result_storage=LocalFileSystem(basepath=self.path), serializer=JSONSerializer())
 
     @staticmethod

@@ -15,6 +15,7 @@ import shutil
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from chatlearn.utils.files import fsync_file
 
@@ -65,8 +66,6 @@ def save_model_checkpoint(path: str, weights: dict[str, torch.Tensor], *, optimi
                           scheduler: dict | None = None, rng: dict | None = None,
                           meta: dict[str, Any] | None = None) -> str:
     """Write a complete checkpoint at `path` atomically (replacing an older one there)."""
-    from safetensors.torch import save_file
-
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -122,8 +121,6 @@ def verify_model_checkpoint(path: str) -> dict[str, Any]:
 
 def load_model_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Verify and read a checkpoint: {'weights', 'optimizer', 'scheduler', 'rng', 'meta'} (absent parts None)."""
-    from safetensors.torch import load_file
-
     manifest = verify_model_checkpoint(path)
     files = manifest["files"]
     out: dict[str, Any] = {"meta": manifest.get("meta", {})}

@@ -4,7 +4,7 @@ Semantics (ChatLearn v1.0.x, `runtime.max_relay_episode` / `runtime.relay_episod
 
 * `max_relay_episode == 0` disables relay: every episode trains on its own samples ("stream mode") and the
   hook, if any, is ignored.
-* Otherwise (N > 0 keeps the last N episodes, -1 keeps them all), an episode with
+* Otherwise (N > 0 keeps the last N episodes, -1 or any negative keeps them all, as ChatLearn), an episode with
   `episode_id >= relay_episode_offset` is appended to the window, the oldest episodes are dropped while the
   window is too long, and `relay_sample_fn(window)` (oldest first) returns the whole training set of the
   episode. Earlier episodes train in stream mode and are never stored.
@@ -61,9 +61,10 @@ class RelayBuffer:
     """The episode window and its hook; `add_episode` returns the training set, None meaning stream mode."""
 
     def __init__(self, max_relay_episode: int, relay_episode_offset: int, relay_sample_fn: RelayHook | None) -> None:
-        if isinstance(max_relay_episode, bool) or not isinstance(max_relay_episode, int) or max_relay_episode < -1:
+        if isinstance(max_relay_episode, bool) or not isinstance(max_relay_episode, int):
             raise ValueError(
-                f"runtime.max_relay_episode must be -1 (keep all), 0 (off) or a positive int, got {max_relay_episode!r}"
+                f"runtime.max_relay_episode must be an int (negative: keep all, 0: off, N: the last N), "
+                f"got {max_relay_episode!r}"
             )
         if isinstance(relay_episode_offset, bool) or not isinstance(relay_episode_offset, int):
             raise ValueError(f"runtime.relay_episode_offset must be an int, got {relay_episode_offset!r}")
@@ -85,6 +86,10 @@ class RelayBuffer:
         """Relay is on for any non-zero max_relay_episode (-1 = unbounded window)."""
         return self.max_relay_episode != 0
 
+    def takes(self, episode_id: int) -> bool:
+        """Whether this episode goes through the relay (else it trains in stream mode on its own samples)."""
+        return self.enabled and episode_id >= self.relay_episode_offset
+
     @property
     def episodes(self) -> list[int]:
         """Ids of the kept episodes, oldest first."""
@@ -103,7 +108,7 @@ class RelayBuffer:
 
     def add_episode(self, episode_id: int, samples: list[dict]) -> list[dict] | None:
         """Store the episode and return the hook's training set, or None when the episode trains in stream mode."""
-        if not self.enabled or episode_id < self.relay_episode_offset:
+        if not self.takes(episode_id):
             return None
         for i, sample in enumerate(samples):
             if not isinstance(sample, dict):

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
+from chatlearn.config import ModelConfig, RuntimeConfig
 
 
 class BaseModule:
@@ -66,6 +66,10 @@ class BaseModule:
     def checkpoint_dir(self, iteration: int) -> str:
         """Where this model's checkpoint for a trainer iteration lives: run_dir/checkpoints/<name>/iter_N."""
         return os.path.join(self.run_dir, "checkpoints", self.name, f"iter_{iteration:07d}")
+
+    def prepare_files(self, module_args: ModelConfig) -> None:
+        """Runs once on the driver before any actor of this model starts (e.g. build local model files),
+        so the actors do not race to create the same files."""
 
     # -- user API -------------------------------------------------------------------------------------------
     def setup(self) -> None:

@@ -9,6 +9,12 @@ from typing import Any
 
 import torch
 
+from chatlearn.checkpoint.model_checkpoint import (
+    capture_rng_state,
+    load_model_checkpoint,
+    restore_rng_state,
+    save_model_checkpoint,
+)
 from chatlearn.models.base_module import BaseModule
 
 
@@ -50,8 +56,6 @@ class TorchModule(BaseModule):
         """Weights (safetensors), optimizer, LR scheduler and RNG states, checksummed, written atomically."""
         if self.model is None:
             return None
-        from chatlearn.checkpoint.model_checkpoint import capture_rng_state, save_model_checkpoint
-
         return save_model_checkpoint(
             self.checkpoint_dir(iteration),
             self.model.state_dict(),
@@ -63,8 +67,6 @@ class TorchModule(BaseModule):
 
     def load_checkpoint(self, iteration: int) -> None:
         """Restore what `save_checkpoint(iteration)` wrote, after verifying its checksums (no unpickling)."""
-        from chatlearn.checkpoint.model_checkpoint import load_model_checkpoint, restore_rng_state
-
         assert self.model is not None
         state = load_model_checkpoint(self.checkpoint_dir(iteration), map_location=self.device)
         self.model.load_state_dict(state["weights"], strict=True)

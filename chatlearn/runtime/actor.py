@@ -13,10 +13,10 @@ from typing import Any
 
 import ray
 
+from chatlearn.config import ModelConfig, RuntimeConfig
 from chatlearn.data.batch import collate_samples, merge_batches
 from chatlearn.data.stream import training_batches
 from chatlearn.models.base_module import BaseModule
-from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
 
 
 def _resolve(value: Any) -> Any:
@@ -26,10 +26,9 @@ def _resolve(value: Any) -> Any:
 class ModelActor:
     """Wraps a `BaseModule`: setup, batched forward/eval/train calls, sync and checkpoint hooks."""
 
-    def __init__(self, module: BaseModule, module_args: ModelConfig, runtime_args: RuntimeConfig,
-                 replica_id: int, seed: int):
+    def __init__(self, module: BaseModule, module_args: ModelConfig, runtime_args: RuntimeConfig, replica_id: int):
         self.module = module
-        self.module.bind(module_args, runtime_args, replica_id, seed)
+        self.module.bind(module_args, runtime_args, replica_id, runtime_args.seed)
         self.runtime_args = runtime_args
         self.datasets: dict[bool, Any] = {}
         self.pad_token_id = 0

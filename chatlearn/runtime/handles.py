@@ -1,7 +1,8 @@
-"""What the episode tasks need to find the run's actors: names, not handles.
+"""What the episode tasks need to find the run's actors and to know what is due: names and a few numbers.
 
 Prefect serializes flow parameters to JSON for its API, so the episode subflow gets a small, readable
-`RunHandle` (namespace, actor names, dataset sizes, the plan) and each task looks its actors up by name.
+`RunHandle` (namespace, actor names, dataset sizes, the plan, and the handful of config numbers the stage
+tasks read) and each task looks its actors up by name; no task carries the whole config.
 `RefBox` carries ObjectRefs between tasks without RayTaskRunner resolving them (it `ray.get`s every bare
 ObjectRef it finds in task parameters, which would drag rollouts through every task process).
 """
@@ -9,9 +10,9 @@ ObjectRef it finds in task parameters, which would drag rollouts through every t
 from typing import Any
 
 import ray
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from chatlearn.runtime.engine import EpisodePlan
+from chatlearn.runtime.plan import EpisodePlan
 
 
 class RunHandle(BaseModel):
@@ -21,9 +22,18 @@ class RunHandle(BaseModel):
     dataset_size: int
     eval_dataset_size: int = 0
     run_dir: str
+    exp_name: str
     data_checkpoint_path: str = ""
     stream_actor: str = ""
-    driver_pid: int = 0
+    # the config numbers the stage tasks read
+    sample_per_episode: int = Field(description="runtime.sample_per_episode")
+    generation_batch_size: int = Field(description="the producer's generation batch size")
+    shuffle_seed: int | None = Field(None, description="seed of the prompt order (None: file order)")
+    sync_frequency: dict[str, int] = Field(default_factory=dict, description="per model receiving weights")
+    save_episode_interval: int | None = None
+    eval_episode_interval: int = 0
+    checkpoint_models: list[str] = Field(default_factory=list, description="models that save checkpoints")
+    eval_post_process_fn: str | None = None
 
     def stream(self) -> Any:
         """The run's StreamDataset actor."""

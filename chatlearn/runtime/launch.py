@@ -14,14 +14,36 @@ from typing import Any
 
 import ray
 
-from chatlearn.data.prompts import DataError, load_records
-from chatlearn.runtime.engine import Engine
+from chatlearn.checkpoint.resume import models_to_checkpoint
+from chatlearn.config import ChatLearnConfig
+from chatlearn.config.engines import ENGINES
+from chatlearn.data.prompts import load_records
+from chatlearn.data.ranking import rank_prompts
+from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime.handles import RunHandle
 from chatlearn.runtime.model_group import ModelGroup, create_model_group, required_cpus
+from chatlearn.runtime.plan import ResolvedEngine
 from chatlearn.runtime.stream_dataset import StreamDataset
-from chatlearn.utils.arguments import ChatLearnConfig
 
 logger = logging.getLogger("chatlearn")
+
+# Never uploaded with a working_dir: the local environment, history and run outputs.
+ALWAYS_EXCLUDED = [".venv", ".git", "output"]
+
+
+def ray_runtime_env(cfg: ChatLearnConfig) -> dict[str, Any] | None:
+    """`runtime_env` as Ray's runtime env: pip, py_modules, and the working_dir when it is not the current
+    directory (a local run already works there; a cluster then gets the files it needs)."""
+    env = cfg.runtime_env
+    out: dict[str, Any] = {}
+    if env.pip:
+        out["pip"] = list(env.pip)
+    if env.py_modules:
+        out["py_modules"] = list(env.py_modules)
+    if env.working_dir and os.path.abspath(env.working_dir) != os.getcwd():
+        out["working_dir"] = env.working_dir
+        out["excludes"] = list(env.excludes) + ALWAYS_EXCLUDED
+    return out or None
 
 
 def init_ray(cfg: ChatLearnConfig, namespace: str) -> bool:
@@ -32,19 +54,11 @@ def init_ray(cfg: ChatLearnConfig, namespace: str) -> bool:
     """
     if ray.is_initialized():
         return False
+    common: dict[str, Any] = dict(namespace=namespace, log_to_driver=False, configure_logging=False,
+                                  runtime_env=ray_runtime_env(cfg))
     address = os.environ.get("RAY_ADDRESS")
-    common: dict[str, Any] = dict(namespace=namespace, log_to_driver=False, configure_logging=False)
     if address:
-        env = cfg.runtime_env
-        runtime_env: dict[str, Any] = {}
-        if env.pip:
-            runtime_env["pip"] = list(env.pip)
-        if env.py_modules:
-            runtime_env["py_modules"] = list(env.py_modules)
-        if env.working_dir and cfg.runtime_env.get("upload_working_dir"):
-            runtime_env["working_dir"] = env.working_dir
-            runtime_env["excludes"] = list(env.excludes) + [".venv", ".git", "output"]
-        ray.init(address=address, runtime_env=runtime_env or None, **common)
+        ray.init(address=address, **common)
         return True
     # Logical CPUs: what the actors ask for, plus room for the dispatch tasks' worker processes. Ray keeps
     # at most `num_cpus` idle workers; fewer would make it kill and re-spawn them (seconds of imports) often.
@@ -53,38 +67,47 @@ def init_ray(cfg: ChatLearnConfig, namespace: str) -> bool:
     return True
 
 
-def build_local_model_files(cfg: ChatLearnConfig, eng: Engine) -> None:
+def build_local_model_files(cfg: ChatLearnConfig, modules: dict[str, BaseModule]) -> None:
     """Build local model files (e.g. the embedded tiny Llama) once, on the driver, not racing in every actor."""
-    for name, mod in eng.modules.items():
-        schema = getattr(mod, "args_schema", None)
-        if schema is not None and "tiny_model" in schema.model_fields:
-            from chatlearn.models.hf.common import ensure_model_files
+    for name, mod in modules.items():
+        prepare = getattr(mod, "prepare_files", None)
+        if prepare is not None:
+            prepare(cfg.models[name])
 
-            ensure_model_files(schema.model_validate(cfg.models[name].args_dict or {}))
+
+def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, groups: dict[str, ModelGroup], prefix: str,
+                namespace: str, dataset_size: int, eval_size: int, data_checkpoint_path: str) -> RunHandle:
+    rt, plan = cfg.runtime, eng.plan
+    return RunHandle(
+        namespace=namespace,
+        actors={n: [[prefix + f"{n}-r{r}-p{p}" for p in range(len(rep))] for r, rep in enumerate(g.replicas)]
+                for n, g in groups.items()},
+        plan=plan, dataset_size=dataset_size, eval_dataset_size=eval_size, run_dir=rt.run_dir, exp_name=rt.exp_name,
+        data_checkpoint_path=data_checkpoint_path, stream_actor=prefix + "stream-dataset",
+        sample_per_episode=rt.sample_per_episode,
+        generation_batch_size=cfg.models[plan.producer].generation_batch_size or rt.generation_batch_size,
+        shuffle_seed=rt.shuffle_seed,
+        sync_frequency={dst: cfg.models[dst].sync_frequency for _, dst in plan.sync},
+        save_episode_interval=rt.save_episode_interval, eval_episode_interval=rt.eval_episode_interval,
+        checkpoint_models=models_to_checkpoint(cfg, plan.trainers, plan.sync) if plan.trainers else [],
+        eval_post_process_fn=rt.eval_post_process_fn,
+    )
 
 
 @contextlib.contextmanager
-def launch(cfg: ChatLearnConfig, eng: Engine, seed: int, data_checkpoint_path: str = "",
-           with_train_data: bool = True) -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
+def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
+           data_checkpoint_path: str = "") -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
     """Yield (RunHandle, model groups, StreamDataset actor) for a run; everything is torn down on exit."""
     rt = cfg.runtime
+    with_train_data = ENGINES[eng.name].needs_train_data
     producer_cfg = cfg.models[eng.plan.producer]
     key = (producer_cfg.args_dict or {}).get("prompt_key", "prompt")
-    if with_train_data and not rt.data_path:
-        raise DataError("runtime.data_path: no prompt file given")
     prompts = load_records(rt.data_path, key) if with_train_data else []
-    eval_path = rt.get("eval_data_path")
-    wants_eval = rt.eval_episode_interval or not with_train_data
-    eval_prompts = load_records(eval_path, key) if eval_path and wants_eval else []
-    if producer_cfg.batch_generation.min_prompt_length:
-        logger.warning("models.%s.batch_generation.min_prompt_length=%d caps the first stage of Megatron's batch "
-                       "generation; Hugging Face generate has no such stage, so the built-in policy ignores it",
-                       eng.plan.producer, producer_cfg.batch_generation.min_prompt_length)
+    wants_eval = rt.eval_episode_interval or rt.enable_eval_before_training or not with_train_data
+    eval_prompts = load_records(rt.eval_data_path, key) if rt.eval_data_path and wants_eval else []
     if prompts and producer_cfg.batch_generation.ranking:
-        from chatlearn.data.ranking import rank_prompts
-
         prompts = rank_prompts(prompts, rt.sample_per_episode, key)
-    build_local_model_files(cfg, eng)
+    build_local_model_files(cfg, eng.modules)
 
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
     started_ray = init_ray(cfg, namespace)
@@ -94,7 +117,7 @@ def launch(cfg: ChatLearnConfig, eng: Engine, seed: int, data_checkpoint_path: s
     try:
         t0 = time.perf_counter()
         for name, mod in eng.modules.items():
-            groups[name] = create_model_group(name, mod, cfg.models[name], rt, seed, namespace, prefix)
+            groups[name] = create_model_group(name, mod, cfg.models[name], rt, namespace, prefix)
         stream = ray.remote(StreamDataset).options(name=prefix + "stream-dataset", namespace=namespace,
                                                    num_cpus=0, max_restarts=0).remote(rt)
         infos = ray.get([a.setup.remote() for g in groups.values() for a in g.actors])
@@ -108,15 +131,8 @@ def launch(cfg: ChatLearnConfig, eng: Engine, seed: int, data_checkpoint_path: s
         if eval_prompts:
             eval_ref = ray.put(eval_prompts)
             ray.get([a.build_dataset.remote(eval_ref, True) for a in producer.heads])
-        run = RunHandle(
-            namespace=namespace,
-            actors={n: [[prefix + f"{n}-r{r}-p{p}" for p in range(len(rep))] for r, rep in enumerate(g.replicas)]
-                    for n, g in groups.items()},
-            plan=eng.plan, dataset_size=sizes[0], eval_dataset_size=len(eval_prompts), run_dir=rt.run_dir,
-            data_checkpoint_path=data_checkpoint_path, stream_actor=prefix + "stream-dataset",
-            driver_pid=os.getpid(),
-        )
-        yield run, groups, stream
+        yield (_run_handle(cfg, eng, groups, prefix, namespace, sizes[0], len(eval_prompts), data_checkpoint_path),
+               groups, stream)
     finally:
         for g in groups.values():
             g.kill()

@@ -11,30 +11,14 @@ from typing import Any
 
 import ray
 
+from chatlearn.config import ModelConfig, RuntimeConfig
 from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime.actor import ModelActor
-from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
-
-
-def replica_layout(cfg: ModelConfig) -> tuple[int, int, dict[str, float]]:
-    """(replicas, processes per replica, Ray resources per process) for a model config."""
-    replicas = 1 if cfg.trainable else max(1, int(cfg.num_replica or 1))
-    if cfg.num_gpu and cfg.num_gpu > 0:
-        per_process = cfg.gpu_per_process or 1
-        procs = max(1, cfg.num_gpu // replicas // per_process)
-        return replicas, procs, {"num_gpus": float(per_process), "num_cpus": 0.0}
-    per_process = cfg.cpu_per_process or 1
-    procs = max(1, cfg.num_cpu // replicas // per_process)
-    return replicas, procs, {"num_cpus": float(per_process), "num_gpus": 0.0}
 
 
 def required_cpus(models: dict[str, ModelConfig]) -> float:
     """Logical CPUs the model actors ask Ray for, all models together."""
-    total = 0.0
-    for cfg in models.values():
-        replicas, procs, res = replica_layout(cfg)
-        total += replicas * procs * res["num_cpus"]
-    return total
+    return sum(m.layout.replicas * m.layout.processes * m.layout.cpus for m in models.values())
 
 
 @dataclass
@@ -67,20 +51,20 @@ class ModelGroup:
         self.replicas = []
 
 
-def create_model_group(name: str, module: BaseModule, cfg: ModelConfig, runtime: RuntimeConfig, seed: int,
+def create_model_group(name: str, module: BaseModule, cfg: ModelConfig, runtime: RuntimeConfig,
                        namespace: str | None = None, name_prefix: str = "") -> ModelGroup:
-    """Start the actors of one model and run `setup` on each (returns when all are ready)."""
-    replicas, procs, resources = replica_layout(cfg)
+    """Start the actors of one model (their `setup` is the caller's to run, so all models set up at once)."""
+    layout = cfg.layout
     remote_cls = ray.remote(ModelActor)
     group = ModelGroup(name=name, config=cfg)
-    for r in range(replicas):
+    for r in range(layout.replicas):
         rep = []
-        for p in range(procs):
-            opts: dict[str, Any] = dict(resources, max_concurrency=1, max_restarts=0)
+        for p in range(layout.processes):
+            opts: dict[str, Any] = dict(num_gpus=layout.gpus, num_cpus=layout.cpus, max_concurrency=1, max_restarts=0)
             if name_prefix:
                 opts["name"] = f"{name_prefix}{name}-r{r}-p{p}"
             if namespace:
                 opts["namespace"] = namespace
-            rep.append(remote_cls.options(**opts).remote(module, cfg, runtime, r, seed))
+            rep.append(remote_cls.options(**opts).remote(module, cfg, runtime, r))
         group.replicas.append(rep)
     return group

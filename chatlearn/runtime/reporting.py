@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from chatlearn.utils.arguments import ChatLearnConfig
+from chatlearn.config import ChatLearnConfig
 
 # Column order of the metrics line and the artifact table (keys that are absent are skipped).
 LINE_KEYS = ["reward_mean", "eval_reward_mean", "eval_exact_match", "kl_mean", "policy_loss", "value_loss", "clipfrac",

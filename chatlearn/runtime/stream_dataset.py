@@ -1,9 +1,11 @@
 """The run's StreamDataset actor: turns an episode's experience into the trainers' sample list.
 
 As in ChatLearn, one actor per run sits between the environment and the trainers. It merges the experience
-batches into per-sample dicts, applies `stream_data_loader_type` (`fixed`: exactly `sample_per_episode`
-samples; `dynamic`: all that were produced) and the relay buffer (`max_relay_episode`, the user's
-`relay_sample_fn`), and hands every trainer the same list by ObjectRef. It holds the relay window, so it also
+batches into per-sample dicts and hands every trainer the same list by ObjectRef: in stream mode the
+episode's samples cut by `stream_data_loader_type` (`fixed`: exactly `sample_per_episode`; `dynamic`: all
+that were produced); with relay on (`max_relay_episode`, from `relay_episode_offset`) the relay hook's output,
+the relay buffer having taken *every* sample the episode produced, whatever the loader type (ChatLearn's
+relay branch drains the whole episode). It holds the relay window, so it also
 saves and restores it for data checkpoints. It asks Ray for no CPU: it only reshapes data.
 """
 
@@ -11,10 +13,10 @@ from typing import Any
 
 import ray
 
+from chatlearn.config import RuntimeConfig
 from chatlearn.data.batch import split_batch
 from chatlearn.data.relay import RelayBuffer, load_hook
 from chatlearn.data.stream import select_episode_samples
-from chatlearn.utils.arguments import RuntimeConfig
 
 
 def _resolve(value: Any) -> Any:
@@ -38,16 +40,19 @@ def experience_stats(samples: list[dict[str, Any]]) -> dict[str, float]:
 class StreamDataset:
     def __init__(self, runtime_args: RuntimeConfig):
         self.rt = runtime_args
-        hook = runtime_args.get("relay_sample_fn")
+        hook = runtime_args.relay_sample_fn
         self.relay = RelayBuffer(runtime_args.max_relay_episode, runtime_args.relay_episode_offset,
                                  load_hook(hook) if hook else None)
 
     def episode_samples(self, *batches: Any, episode: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
         """The episode's training samples (a ref owned by this actor) and the episode's experience stats."""
         produced = [s for b in batches for s in split_batch(_resolve(b))]
-        own = select_episode_samples(produced, self.rt.stream_data_loader_type, self.rt.sample_per_episode)
-        relayed = self.relay.add_episode(episode, own)
-        samples = own if relayed is None else relayed
+        if self.relay.takes(episode):
+            own = produced
+            samples = self.relay.add_episode(episode, produced) or []
+        else:
+            own = samples = select_episode_samples(produced, self.rt.stream_data_loader_type,
+                                                   self.rt.sample_per_episode)
         stats = experience_stats(own)
         stats.update(num_samples=len(samples), relay_episodes=len(self.relay.episodes))
         return ray.put(samples), stats

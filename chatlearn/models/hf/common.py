@@ -9,6 +9,12 @@ import os
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from chatlearn.algorithms import logprobs_from_logits
+from chatlearn.config import ModelConfig
+from chatlearn.models.hf.tiny import ensure_tiny_model
+from chatlearn.models.torch_module import TorchModule
 
 
 class HFModelArgs(BaseModel):
@@ -26,8 +32,6 @@ class HFModelArgs(BaseModel):
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -36,8 +40,6 @@ def load_tokenizer(path: str):
 
 
 def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model_path {path!r} is not a directory")
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
@@ -67,8 +69,6 @@ def response_logits(model: torch.nn.Module, batch: dict, device: torch.device) -
 
 def response_logprobs(model: torch.nn.Module, batch: dict, device: torch.device, temperature: float = 1.0):
     """Log-probs [B, R] of the response tokens under `model` (0 at padding)."""
-    from chatlearn.algorithms import logprobs_from_logits
-
     logits = response_logits(model, batch, device).float() / temperature
     lp = logprobs_from_logits(logits, batch["response_ids"].to(device))
     return lp * batch["response_mask"].to(device)
@@ -83,6 +83,14 @@ def response_hidden_states(backbone: torch.nn.Module, batch: dict, device: torch
 def ensure_model_files(args: HFModelArgs) -> None:
     """Build the embedded tiny model when the config asks for it and it is not there yet."""
     if args.tiny_model is not None and args.model_path:
-        from chatlearn.models.hf.tiny import ensure_tiny_model
-
         ensure_tiny_model(args.model_path, args.tiny_model)
+
+
+class HFModule(TorchModule):
+    """A built-in module on a Hugging Face model at `args_dict.model_path` (built first when it is the
+    embedded tiny model)."""
+
+    args_schema = HFModelArgs
+
+    def prepare_files(self, module_args: ModelConfig) -> None:
+        ensure_model_files(self.args_schema.model_validate(module_args.args_dict or {}))

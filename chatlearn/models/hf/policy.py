@@ -1,24 +1,30 @@
 """Inference policy: sampled generation with the KV cache, plus the sampler's own log-probs."""
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
+from transformers import LogitsProcessorList
 
 from chatlearn.models.hf.common import (
     HFModelArgs,
+    HFModule,
     ensure_model_files,
     load_causal_lm,
     load_tokenizer,
     response_logprobs,
 )
-from chatlearn.models.torch_module import TorchModule
 
 
 class PolicyArgs(HFModelArgs):
     max_new_tokens: int = Field(16, gt=0, description="longest response, in tokens")
-    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0 = all)")
+    top_k: int = Field(0, ge=-1, description="sample from the k most likely tokens (0 or vLLM's -1: all)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     prompt_key: str = Field("prompt", description="field of a data record that holds the prompt text")
     eval_do_sample: bool = Field(False, description="sample during eval (default greedy)")
+
+    @field_validator("top_k")
+    @classmethod
+    def _vllm_off(cls, value: int) -> int:
+        return 0 if value == -1 else value  # vLLM's "off" is Hugging Face's 0
 
 
 class PerSampleSampler:
@@ -61,7 +67,7 @@ def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> tor
     return (seen_before == 0).float()
 
 
-class PolicyInference(TorchModule):
+class PolicyInference(HFModule):
     """Generates responses for prompt batches; `forward_step` samples, `eval_step` decodes greedily."""
 
     args_schema = PolicyArgs
@@ -88,8 +94,6 @@ class PolicyInference(TorchModule):
 
     @torch.no_grad()
     def _generate(self, data: dict, do_sample: bool, seed: int) -> dict:
-        from transformers import LogitsProcessorList
-
         torch.manual_seed(seed)
         prompt_ids = data["prompt_ids"].to(self.device)
         prompt_mask = data["prompt_mask"].to(self.device)

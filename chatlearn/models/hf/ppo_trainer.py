@@ -8,22 +8,23 @@ step equals one big batch's masked mean whatever the micro-batch size).
 import functools
 import math
 import os
+import shutil
 from typing import Literal
 
 import torch
 from pydantic import Field
 
-from chatlearn.algorithms import get_policy_loss, get_value_loss
+from chatlearn.algorithms import get_policy_loss, get_value_loss, whiten_global_batch
+from chatlearn.config import RuntimeConfig
 from chatlearn.models.hf.common import (
     HFModelArgs,
+    HFModule,
     ensure_model_files,
     load_causal_lm,
     load_tokenizer,
     response_logprobs,
 )
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
-from chatlearn.models.torch_module import TorchModule
-from chatlearn.utils.arguments import RuntimeConfig
 
 
 class OptimArgs(HFModelArgs):
@@ -83,7 +84,7 @@ def _token_weights(data_list: list[dict]) -> list[float]:
     return [t / total for t in tokens]
 
 
-class PPOPolicyTrainer(TorchModule):
+class PPOPolicyTrainer(HFModule):
     args_schema = PPOPolicyArgs
 
     def setup(self) -> None:
@@ -97,10 +98,10 @@ class PPOPolicyTrainer(TorchModule):
     def train_step(self, data_list, iteration):
         if self.args.whiten_advantages:
             # one mean/std over the whole global batch, as ChatLearn whitens across data-parallel ranks
-            adv = torch.cat([mb["advantages"][mb["response_mask"].bool()] for mb in data_list])
-            mean, std = adv.mean(), adv.std(unbiased=True) if adv.numel() > 1 else torch.tensor(1.0)
-            for mb in data_list:
-                mb["advantages"] = (mb["advantages"] - mean) / (std + 1e-8) * mb["response_mask"]
+            whitened = whiten_global_batch([mb["advantages"] for mb in data_list],
+                                           [mb["response_mask"] for mb in data_list])
+            for mb, adv in zip(data_list, whitened, strict=True):
+                mb["advantages"] = adv
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {"policy_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0}
         for mb, w in zip(data_list, _token_weights(data_list), strict=True):
@@ -126,14 +127,12 @@ class PPOPolicyTrainer(TorchModule):
         self.model.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
         if os.path.exists(path):
-            import shutil
-
             shutil.rmtree(path)
         os.replace(tmp, path)
         return path
 
 
-class PPOValueTrainer(TorchModule):
+class PPOValueTrainer(HFModule):
     args_schema = PPOValueArgs
 
     def setup(self) -> None:

@@ -2,12 +2,10 @@
 
 import torch
 
-from chatlearn.models.hf.common import HFModelArgs, ensure_model_files, load_causal_lm, response_logprobs
-from chatlearn.models.torch_module import TorchModule
+from chatlearn.models.hf.common import HFModule, ensure_model_files, load_causal_lm, response_logprobs
 
 
-class ReferenceModel(TorchModule):
-    args_schema = HFModelArgs
+class ReferenceModel(HFModule):
 
     def setup(self) -> None:
         ensure_model_files(self.args)

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from transformers import AutoModelForSequenceClassification
 
 from chatlearn.algorithms import get_advantage_estimator, kl_penalized_rewards
 from chatlearn.data.batch import split_batch
 from chatlearn.models.base_module import BaseModule
-from chatlearn.models.hf.common import HFModelArgs, ensure_model_files, load_tokenizer
-from chatlearn.models.torch_module import TorchModule
+from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, load_tokenizer
 from chatlearn.utils.imports import import_object
 
 
@@ -82,14 +82,12 @@ class RuleReward(_ExperienceMixin, BaseModule):
         return {"scores": self.score(data)}
 
 
-class ModelReward(_ExperienceMixin, TorchModule):
+class ModelReward(_ExperienceMixin, HFModule):
     """A `AutoModelForSequenceClassification` with one label scores prompt+response text."""
 
     args_schema = ModelRewardArgs
 
     def setup(self) -> None:
-        from transformers import AutoModelForSequenceClassification
-
         ensure_model_files(self.args)
         self.tokenizer = load_tokenizer(self.args.model_path)
         self.model = AutoModelForSequenceClassification.from_pretrained(

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 # Characters of the vocabulary: digits first (the verifiable tasks answer in digits), then a few symbols and
@@ -38,10 +41,6 @@ class TinyModelSpec(BaseModel):
 
 def build_char_tokenizer():
     """A fast tokenizer with one token per character, BOS prepended, loadable by `AutoTokenizer`."""
-    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -65,8 +64,6 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
     Written into a temporary sibling directory and renamed into place, so a crash never leaves a half-written
     model that later runs would load. Same spec (including seed) gives bit-identical weights on CPU.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     spec = TinyModelSpec.model_validate(spec or {})
     path = Path(path).expanduser().resolve()
     marker = path / "chatlearn_tiny_spec.json"

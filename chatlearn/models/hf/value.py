@@ -2,9 +2,9 @@
 
 import torch
 from pydantic import Field
+from transformers import AutoModel
 
-from chatlearn.models.hf.common import HFModelArgs, ensure_model_files, response_hidden_states
-from chatlearn.models.torch_module import TorchModule
+from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, response_hidden_states
 
 
 class ValueArgs(HFModelArgs):
@@ -16,8 +16,6 @@ class ValueNetwork(torch.nn.Module):
 
     def __init__(self, model_path: str, dtype: str, head_seed: int):
         super().__init__()
-        from transformers import AutoModel
-
         self.backbone = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype))
         gen = torch.Generator().manual_seed(head_seed)
         hidden = self.backbone.config.hidden_size
@@ -31,7 +29,7 @@ class ValueNetwork(torch.nn.Module):
         return self.value_head(hidden.float()).squeeze(-1) * batch["response_mask"].to(device)
 
 
-class ValueModel(TorchModule):
+class ValueModel(HFModule):
     """Inference copy of the value network (weights synced from `ppo_value`)."""
 
     args_schema = ValueArgs

@@ -10,29 +10,23 @@ from prefect import flow
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
-from chatlearn.runtime.faults import crash_point
 from chatlearn.runtime.handles import RunHandle
-from chatlearn.utils.arguments import ChatLearnConfig
-from flows.tasks import checkpoint, evaluate, generate, score, sync, train
-
-
-def eval_due(cfg: ChatLearnConfig, episode: int) -> bool:
-    n = cfg.runtime.eval_episode_interval
-    return bool(n) and n > 0 and (episode + 1) % n == 0
+from chatlearn.runtime.schedule import every
+from chatlearn.utils.faults import crash_point
+from flows.stage_tasks import checkpoint, evaluate, generate, score, sync, train
 
 
 @flow(name="episode", flow_run_name="episode-{episode}", task_runner=RayTaskRunner(), validate_parameters=False)
-def episode_flow(run: RunHandle, cfg: ChatLearnConfig, episode: int, consumed_samples: int,
-                 start_iteration: int) -> dict[str, Any]:
+def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int) -> dict[str, Any]:
     """Run one episode; returns its metrics (small numbers only)."""
     with remote_options(num_cpus=0, max_retries=0):
-        rollouts = generate.submit(run, cfg, episode, consumed_samples)
+        rollouts = generate.submit(run, episode, consumed_samples)
         experience = score.submit(run, rollouts)
         trained = train.submit(run, experience, episode, start_iteration)
-        synced = sync.submit(run, cfg, episode, trained)
-        saved = checkpoint.submit(run, cfg, episode, trained)
-        evaluated = (evaluate.submit(run, cfg, episode, synced, trained)
-                     if eval_due(cfg, episode) else None)
+        synced = sync.submit(run, episode, trained)
+        saved = checkpoint.submit(run, episode, trained)
+        eval_due = every(run.eval_episode_interval, episode)
+        evaluated = evaluate.submit(run, episode, synced, trained) if eval_due else None
         rollouts.wait()
         crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
 

@@ -1,145 +1,51 @@
-"""Load ChatLearn YAML configs into a validated :class:`~chatlearn.utils.arguments.ChatLearnConfig`.
+"""Load ChatLearn YAML configs into a validated :class:`~chatlearn.config.root.ChatLearnConfig`.
 
 Follows ChatLearn 1.0.x's loader so its YAML files work unchanged, and fixes its rough edges:
 
 * ``includes:`` (a list, or one name) in any file, resolved against the *main* config's directory unless
   absolute (falling back to the including file's own directory), recursive, deep-merged so that later
   includes override earlier ones and the including file overrides all of them; cycles are errors.
-* ``${VAR}`` / ``${VAR:default}`` in string values anywhere (dicts and lists). A whole-value reference
-  becomes the env var, else the default (which may contain ``:``), else ``None`` (one warning lists all
-  unset variables), then is read as a literal (``4``, ``True``, ``1e-5``, ``[1,2]``, ``null``/``None``).
-  A reference inside a longer string (``runs/${USER:me}/x``) is substituted as text.
+* ``${VAR}`` / ``${VAR:default}`` values (:mod:`chatlearn.config.envvars`), substituted file by file as
+  ChatLearn does. A reference with no value and no default becomes ``None``: fine where the field's default
+  is ``None`` (a warning lists them), an error naming the field and the variable where it is not (ChatLearn
+  refuses those too).
 * Unquoted numbers like ``1e-5`` are floats (YAML 1.1 would read them as strings).
 * ``models.<name>.model_config_file`` is parsed the same way into the model's ``args_dict`` (inline
   ``args_dict`` keys win); tensor/pipeline parallel sizes and ``zero_size`` found there override the model's
   fields.
+* A relative ``model_config_file`` or prompt path written in an *included* file is looked up next to that
+  file first, so ``includes: [path/to/configs/default.yaml]`` works from any folder.
 * ``dotted.key=value`` overrides win over everything in the files.
-* Every problem (bad override, missing model file, type errors, cross-field checks) comes back in one
-  :class:`~chatlearn.utils.arguments.ConfigError`.
+* Every problem (bad override, missing model file, type errors, cross-field checks, the explicit
+  ``checks``) comes back in one :class:`~chatlearn.config.errors.ConfigError`.
 """
 
 import copy
 import os
-import re
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-from chatlearn.utils.arguments import PARALLEL_KEYS, ChatLearnConfig, ConfigError, ConfigWarning
+from chatlearn.config.envvars import Missing, YamlLoader, parse_value, substitute, substitute_text, warn_missing
+from chatlearn.config.errors import ConfigError
+from chatlearn.config.model import PARALLEL_KEYS
+from chatlearn.config.root import ChatLearnConfig, ConfigCheck, run_checks, validate_config
 
 __all__ = [
     "deep_merge",
+    "default_config_path",
     "load_config",
     "load_config_dict",
     "load_yaml_with_includes",
-    "parse_value",
-    "substitute_env_vars",
+    "resolve_data_paths",
 ]
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-5`` / ``2E3`` / ``1.0e5`` as floats (YAML 1.2 style)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+|[-+]?\.[0-9_]+[eE][-+]?[0-9]+)$"),
-    list("-+0123456789."),
-)
-
-_VAR_NAME = r"[A-Za-z_][A-Za-z0-9_.-]*"
-_EMBEDDED_VAR = re.compile(r"\$\{(" + _VAR_NAME + r")(?::([^}]*))?\}")
-_WHOLE_VAR = re.compile(r"^\$\{(" + _VAR_NAME + r")(?::(.*))?\}$", re.S)
-_NULL_WORDS = {"null", "Null", "NULL", "~", "None"}
-_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
-_FLOAT = re.compile(r"[-+]?(?:(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)")
-
-
-def parse_value(text: str) -> Any:
-    """Read a string the way ChatLearn reads env-var values: ints, floats, booleans, null, lists, dicts.
-
-    Anything else (and anything YAML 1.1 would surprise you with: ``yes``, ``012``, ``1:30``) stays text.
-    """
-    stripped = text.strip()
-    if stripped in _NULL_WORDS:
-        return None
-    if _INT.fullmatch(stripped):
-        return int(stripped)
-    if _FLOAT.fullmatch(stripped):
-        return float(stripped)
-    if stripped.lower() in ("true", "false"):
-        return stripped.lower() == "true"
-    if stripped[:1] in ("[", "{"):
-        try:
-            return yaml.load(stripped, Loader=_Loader)
-        except yaml.YAMLError:
-            return text
-    return text
-
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _substitute(value: Any, path: str, missing: list[tuple[str, str]]) -> Any:
-    if isinstance(value, dict):
-        return {k: _substitute(v, _join(path, k), missing) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_substitute(v, _join(path, i), missing) for i, v in enumerate(value)]
-    if isinstance(value, str) and "${" in value:
-        return _substitute_str(value, path, missing)
-    return value
-
-
-def _substitute_str(value: str, path: str, missing: list[tuple[str, str]]) -> Any:
-    whole = _WHOLE_VAR.match(value.strip())
-    if whole and "${" not in (whole.group(2) or ""):
-        name, default = whole.group(1), whole.group(2)
-        if name in os.environ:
-            return parse_value(os.environ[name])
-        if default is not None:
-            return parse_value(default)
-        missing.append((name, path))
-        return None
-
-    def replace(match: re.Match[str]) -> str:
-        name, default = match.group(1), match.group(2)
-        if name in os.environ:
-            return os.environ[name]
-        if default is not None:
-            return default
-        missing.append((name, path))
-        return ""
-
-    return _EMBEDDED_VAR.sub(replace, value)
-
-
-def _warn_missing(missing: list[tuple[str, str]]) -> None:
-    if not missing:
-        return
-    by_name: dict[str, list[str]] = {}
-    for name, path in missing:
-        by_name.setdefault(name, []).append(path)
-    parts = []
-    for name, paths in by_name.items():
-        shown = ", ".join(paths[:3]) + (f", ... ({len(paths)} places)" if len(paths) > 3 else "")
-        parts.append(f"${{{name}}} at {shown}")
-    warnings.warn(
-        "environment variables not set and without a default (values set to None, or '' inside text): "
-        + "; ".join(parts),
-        ConfigWarning,
-        stacklevel=3,
-    )
-
-
-def substitute_env_vars(data: Any) -> Any:
-    """Replace ``${VAR}`` / ``${VAR:default}`` in every string of ``data`` (returns a new object)."""
-    missing: list[tuple[str, str]] = []
-    result = _substitute(data, "", missing)
-    _warn_missing(missing)
-    return result
+def default_config_path() -> Path:
+    """The embedded default: ``configs/default.yaml`` of this repository."""
+    return Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -160,7 +66,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc}") from None
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = yaml.load(text, Loader=YamlLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown line"
@@ -175,8 +81,32 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
+def _beside(path: Any, folder: str) -> Any:
+    """``folder/path`` when ``path`` is relative, not found from the working directory, and found there."""
+    if not isinstance(path, str) or not path or os.path.isabs(path) or os.path.exists(path):
+        return path
+    candidate = os.path.join(folder, os.path.expanduser(path))
+    return candidate if os.path.exists(candidate) else path
+
+
+def _anchor_included_paths(data: dict[str, Any], own_dir: str) -> None:
+    """Relative file names written in an included file: that file's folder first (before the main one)."""
+    runtime = data.get("runtime")
+    if isinstance(runtime, dict):
+        for key in ("data_path", "eval_data_path"):
+            value = runtime.get(key)
+            runtime[key] = [_beside(p, own_dir) for p in value] if isinstance(value, list) else _beside(value, own_dir)
+    models = data.get("models")
+    if isinstance(models, dict):
+        for model in models.values():
+            if isinstance(model, dict) and isinstance(model.get("model_config_file"), str):
+                candidate = os.path.join(own_dir, model["model_config_file"])
+                if not os.path.isabs(model["model_config_file"]) and os.path.isfile(candidate):
+                    model["model_config_file"] = candidate
+
+
 def _expand_includes(
-    data: dict[str, Any], source: str, config_dir: str, own_dir: str, stack: list[str]
+    data: dict[str, Any], source: str, config_dir: str, own_dir: str, stack: list[str], missing: Missing
 ) -> dict[str, Any]:
     """Merge the files named by ``data['includes']`` under ``data`` (which wins)."""
     includes = data.pop("includes", None)
@@ -185,12 +115,10 @@ def _expand_includes(
     if isinstance(includes, str):
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        raise ConfigError(
-            f"{source}: includes: must be a file name or a list of file names, got {includes!r}"
-        )
+        raise ConfigError(f"{source}: includes: must be a file name or a list of file names, got {includes!r}")
     merged: dict[str, Any] = {}
     for name in includes:
-        expanded = os.path.expanduser(_substitute_str(name, "includes", []) if "${" in name else name)
+        expanded = os.path.expanduser(substitute_text(name, "includes", []) if "${" in name else name)
         candidates = [expanded] if os.path.isabs(expanded) else [os.path.join(config_dir, expanded)]
         if not os.path.isabs(expanded) and os.path.abspath(own_dir) != os.path.abspath(config_dir):
             candidates.append(os.path.join(own_dir, expanded))
@@ -204,22 +132,25 @@ def _expand_includes(
         if real in stack:
             chain = " -> ".join([*stack[stack.index(real) :], real])
             raise ConfigError(f"{source}: includes: include cycle: {chain}")
-        merged = deep_merge(merged, _load_tree(found, config_dir, [*stack, real]))
+        included = _load_tree(found, config_dir, [*stack, real], "", missing)
+        _anchor_included_paths(included, os.path.dirname(found))
+        merged = deep_merge(merged, included)
     return deep_merge(merged, data)
 
 
-def _load_tree(path: str, config_dir: str, stack: list[str]) -> dict[str, Any]:
-    return _expand_includes(_read_yaml(path), path, config_dir, os.path.dirname(path), stack)
+def _load_tree(path: str, config_dir: str, stack: list[str], prefix: str, missing: Missing) -> dict[str, Any]:
+    """One file, ``${VAR}`` substituted (as ChatLearn does, file by file), its includes merged under it."""
+    data = substitute(_read_yaml(path), prefix, missing)
+    return _expand_includes(data, path, config_dir, os.path.dirname(path), stack, missing)
 
 
-def _load_file(path: str, config_dir: str | None, prefix: str, missing: list[tuple[str, str]]) -> dict:
+def _load_file(path: str, config_dir: str | None, prefix: str, missing: Missing) -> dict[str, Any]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file not found")
     if config_dir is None:
         config_dir = os.path.dirname(os.path.abspath(path))
-    tree = _load_tree(path, config_dir, [os.path.realpath(path)])
-    return _substitute(tree, prefix, missing)
+    return _load_tree(path, config_dir, [os.path.realpath(path)], prefix, missing)
 
 
 def load_yaml_with_includes(path: str | os.PathLike, config_dir: str | None = None) -> dict[str, Any]:
@@ -228,13 +159,16 @@ def load_yaml_with_includes(path: str | os.PathLike, config_dir: str | None = No
     ``config_dir`` (default: the file's directory) is where relative include paths are looked up, as
     ChatLearn resolves them against the main config's directory.
     """
-    missing: list[tuple[str, str]] = []
+    missing: Missing = []
     data = _load_file(os.fspath(path), config_dir, "", missing)
-    _warn_missing(missing)
+    warn_missing(missing)
     return data
 
 
-def _parse_overrides(overrides: Sequence[str], problems: list[str]) -> list[tuple[list[str], Any, str]]:
+Override = tuple[list[str], Any, str]
+
+
+def _parse_overrides(overrides: Sequence[str], problems: list[str]) -> list[Override]:
     if isinstance(overrides, str):
         overrides = [overrides]
     parsed = []
@@ -251,9 +185,7 @@ def _parse_overrides(overrides: Sequence[str], problems: list[str]) -> list[tupl
     return parsed
 
 
-def _apply_overrides(
-    data: dict[str, Any], parsed: list[tuple[list[str], Any, str]], problems: list[str] | None
-) -> None:
+def _apply_overrides(data: dict[str, Any], parsed: list[Override], problems: list[str] | None) -> None:
     for keys, value, item in parsed:
         node = data
         for i, key in enumerate(keys[:-1]):
@@ -263,8 +195,7 @@ def _apply_overrides(
             elif not isinstance(child, dict):
                 if problems is not None:
                     problems.append(
-                        f"overrides: {item!r}: {'.'.join(keys[: i + 1])} is a {type(child).__name__}, "
-                        "not a mapping"
+                        f"overrides: {item!r}: {'.'.join(keys[: i + 1])} is a {type(child).__name__}, not a mapping"
                     )
                 break
             node = child
@@ -273,7 +204,7 @@ def _apply_overrides(
 
 
 def _merge_model_config_files(
-    data: dict[str, Any], config_dir: str | None, problems: list[str], missing: list[tuple[str, str]]
+    data: dict[str, Any], config_dir: str | None, problems: list[str], missing: Missing
 ) -> None:
     models = data.get("models")
     if not isinstance(models, dict):
@@ -305,7 +236,7 @@ def _merge_model_config_files(
             model["args_dict"] = deep_merge(file_args, inline)
 
 
-def _sync_parallel_sizes(data: dict[str, Any], parsed: list[tuple[list[str], Any, str]]) -> None:
+def _sync_parallel_sizes(data: dict[str, Any], parsed: list[Override]) -> None:
     """Parallel sizes in ``args_dict`` (from the model config file) override the model's fields,
     unless the field itself was given as an override; both end up equal."""
     models = data.get("models")
@@ -325,11 +256,23 @@ def _sync_parallel_sizes(data: dict[str, Any], parsed: list[tuple[list[str], Any
                 model[key] = args[key]
 
 
+def _name_missing_variables(problems: list[str], missing: Missing) -> list[str]:
+    """A field that cannot be None and got an unset ``${VAR}``: say which variable, not "not an int"."""
+    by_path = {path: name for name, path in missing}
+    named = []
+    for problem in problems:
+        path = problem.split(": ", 1)[0]
+        name = by_path.get(path)
+        named.append(f"{path}: ${{{name}}} is not set and has no default" if name else problem)
+    return named
+
+
 def _build(
     data: dict[str, Any],
     config_dir: str | None,
     overrides: Sequence[str],
-    missing: list[tuple[str, str]],
+    missing: Missing,
+    checks: Iterable[ConfigCheck],
 ) -> ChatLearnConfig:
     problems: list[str] = []
     parsed = _parse_overrides(overrides, problems)
@@ -339,18 +282,23 @@ def _build(
     _merge_model_config_files(data, config_dir, problems, missing)
     _apply_overrides(data, parsed, None)
     _sync_parallel_sizes(data, parsed)
-    _warn_missing(missing)
+    overridden = {".".join(keys) for keys, _, _ in parsed}
+    missing[:] = [(name, path) for name, path in missing if path not in overridden]
     try:
-        config = ChatLearnConfig.model_validate(data)
+        config = validate_config(data, checks)
     except ConfigError as exc:
-        raise ConfigError(list(dict.fromkeys(problems + exc.problems))) from None
+        raise ConfigError(problems + _name_missing_variables(exc.problems, missing)) from None
+    warn_missing(missing)
     if problems:
         raise ConfigError(problems)
     return config
 
 
 def load_config_dict(
-    data: Mapping[str, Any], config_dir: str | None = None, overrides: Sequence[str] = ()
+    data: Mapping[str, Any],
+    config_dir: str | None = None,
+    overrides: Sequence[str] = (),
+    checks: Iterable[ConfigCheck] = (),
 ) -> ChatLearnConfig:
     """Validate a config given as a dict (``includes``, ``${VAR}``, model files and overrides applied).
 
@@ -359,42 +307,47 @@ def load_config_dict(
     """
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: must be a mapping, got {type(data).__name__}")
-    tree = copy.deepcopy(dict(data))
+    missing: Missing = []
+    tree = substitute(copy.deepcopy(dict(data)), "", missing)
     if "includes" in tree:
         base = config_dir if config_dir is not None else os.getcwd()
-        tree = _expand_includes(tree, "<config>", base, base, [])
-    missing: list[tuple[str, str]] = []
-    tree = _substitute(tree, "", missing)
-    return _build(tree, config_dir, overrides, missing)
+        tree = _expand_includes(tree, "<config>", base, base, [], missing)
+    return _build(tree, config_dir, overrides, missing, checks)
 
 
-def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ChatLearnConfig:
-    """Load, resolve and validate a ChatLearn YAML config file; raises ConfigError listing every problem."""
-    path = os.fspath(path)
+def load_config(
+    source: "str | os.PathLike | Mapping[str, Any] | ChatLearnConfig | None" = None,
+    overrides: Sequence[str] = (),
+    checks: Iterable[ConfigCheck] = (),
+) -> ChatLearnConfig:
+    """A validated config from a YAML path (default: the embedded default), a dict, or a config object.
+
+    ``overrides`` are ``dotted.key=value`` strings; ``checks`` are run in the same pass (an engine's checks,
+    see :mod:`chatlearn.config.engine_checks`), so one ConfigError lists every problem. A config object that
+    already passed a check is not checked again.
+    """
+    checks = list(checks)
+    if isinstance(source, ChatLearnConfig):
+        if not overrides:
+            return run_checks(source, checks)
+        return load_config_dict(source.model_dump(mode="json"), None, overrides, checks)
+    if isinstance(source, Mapping):
+        return load_config_dict(source, None, overrides, checks)
+    path = os.fspath(source if source is not None else default_config_path())
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file not found")
     config_dir = os.path.dirname(os.path.abspath(path))
-    missing: list[tuple[str, str]] = []
+    missing: Missing = []
     data = _load_file(path, config_dir, "", missing)
-    return resolve_data_paths(_build(data, config_dir, overrides, missing), config_dir)
+    return resolve_data_paths(_build(data, config_dir, overrides, missing, checks), config_dir)
 
 
 def resolve_data_paths(cfg: ChatLearnConfig, config_dir: str) -> ChatLearnConfig:
     """Relative prompt paths are relative to the working directory (as in ChatLearn); when a file is not
     there but is next to the config, use that one, so a config runs from any directory."""
     rt = cfg.runtime
-
-    def fix(path: str) -> str:
-        if os.path.isabs(path) or os.path.exists(path):
-            return path
-        beside = os.path.join(config_dir, path)
-        return beside if os.path.exists(beside) else path
-
-    if isinstance(rt.data_path, str):
-        rt.data_path = fix(rt.data_path)
-    elif isinstance(rt.data_path, list):
-        rt.data_path = [fix(p) for p in rt.data_path]
-    if isinstance(rt.get("eval_data_path"), str):
-        rt.eval_data_path = fix(rt.get("eval_data_path"))
+    for key in ("data_path", "eval_data_path"):
+        value = getattr(rt, key)
+        fixed = [_beside(p, config_dir) for p in value] if isinstance(value, list) else _beside(value, config_dir)
+        setattr(rt, key, fixed)
     return cfg
-

@@ -1,0 +1,99 @@
+"""Where a run resumes from, and the record that makes an episode's checkpoints the restart point.
+
+The train flow only says when: before the actors exist it asks :func:`resume_point` (so a missing or bad
+``load_data_checkpoint_iteration`` fails before anything starts), after each checkpointed episode it calls
+:func:`commit_data_checkpoint`. What is saved and restored, and in which order, lives here.
+"""
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import ray
+
+from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
+from chatlearn.checkpoint.model_checkpoint import CheckpointError, capture_rng_state, restore_rng_state
+from chatlearn.config import ChatLearnConfig
+from chatlearn.utils.faults import crash_point
+
+__all__ = [
+    "commit_data_checkpoint",
+    "data_checkpoint_dir",
+    "load_model_checkpoints",
+    "models_to_checkpoint",
+    "restore_driver_and_relay",
+    "resume_point",
+]
+
+logger = logging.getLogger("chatlearn")
+
+
+def data_checkpoint_dir(cfg: ChatLearnConfig) -> str:
+    """`runtime.data_checkpoint_path`, by default `run_dir/data_checkpoints`."""
+    rt = cfg.runtime
+    return os.path.abspath(rt.data_checkpoint_path or os.path.join(rt.run_dir, "data_checkpoints"))
+
+
+def resume_point(cfg: ChatLearnConfig) -> DataCheckpoint | None:
+    """The data checkpoint a run of this config resumes from; None for a fresh start.
+
+    `enable_resume_training: false` starts fresh; `load_data_checkpoint_iteration` picks a record (an error
+    listing the available ones if it is missing or bad); otherwise the newest record that passes its checks,
+    bad ones reported and skipped.
+    """
+    rt = cfg.runtime
+    if not rt.enable_resume_training:
+        return None
+    store = DataCheckpointStore(data_checkpoint_dir(cfg))
+    it = rt.load_data_checkpoint_iteration
+    if it is None:
+        record = store.latest_good()
+    else:
+        try:
+            record = store.read(it)
+        except CheckpointError as exc:
+            raise CheckpointError(f"runtime.load_data_checkpoint_iteration={it}: {exc}; "
+                                  f"available: {store.iterations()}") from exc
+    if record is not None and record.sample_per_episode != rt.sample_per_episode:
+        logger.warning("resuming with sample_per_episode=%d, the checkpoint was written with %d",
+                       rt.sample_per_episode, record.sample_per_episode)
+    return record
+
+
+def models_to_checkpoint(cfg: ChatLearnConfig, trainers: Sequence[str], sync: Iterable[tuple[str, str]]) -> list[str]:
+    """Trainers, plus inference copies that may lag their trainer (sync_frequency != 1): those cannot be
+    rebuilt from the trainer's weights on resume."""
+    return list(trainers) + [dst for _, dst in sync if cfg.models[dst].sync_frequency != 1]
+
+
+def load_model_checkpoints(actors: Iterable[Any], iteration: int) -> None:
+    """Each actor (the head of a model) loads its own checkpoint of trainer iteration `iteration`."""
+    ray.get([actor.load_checkpoint.remote(iteration) for actor in actors])
+
+
+def restore_driver_and_relay(record: DataCheckpoint, stream: Any) -> None:
+    """The driver's RNG states and the StreamDataset's relay window, as they were at the record."""
+    if record.relay_path:
+        ray.get(stream.load_relay.remote(record.relay_path))
+    restore_rng_state(record.rng_state)
+
+
+def commit_data_checkpoint(cfg: ChatLearnConfig, store: DataCheckpointStore, metrics: dict[str, Any]) -> str:
+    """Write the record that makes this episode's model checkpoints the restart point; returns its path.
+
+    Called after the episode's model checkpoints are complete, so a crash before it only costs the episode.
+    """
+    rt = cfg.runtime
+    episode = metrics["episode"]
+    crash_point("before_data_checkpoint", episode)  # model checkpoints written, record not yet
+    record = DataCheckpoint(
+        episode=episode, consumed_samples=metrics["consumed_samples"], train_iteration=metrics["iteration"],
+        sample_per_episode=rt.sample_per_episode, seed=rt.seed, rng_state=capture_rng_state(),
+        relay_path=metrics.get("relay_checkpoint"),
+        model_checkpoints={k: v for k, v in metrics["checkpoint_paths"].items() if v},
+    )
+    path = store.write(record, crash_hook=lambda: crash_point("data_checkpoint_write", episode))
+    if rt.max_data_ckpt_nums:
+        store.prune(rt.max_data_ckpt_nums)
+    return path

@@ -1,0 +1,168 @@
+"""The checks that need an engine: which models it uses, their modules' ``args_dict``, the hooks a config
+names, the layouts the runtime cannot run yet, and the fields that are not implemented yet.
+
+They run when an engine is built (``chatlearn train``, ``chatlearn eval``, ``engine.learn()``, and
+``chatlearn config --check``), in the same pass as the config's own validation, so one error lists every
+problem. Plain ``chatlearn config`` does not run them: it resolves any config ChatLearn's loader accepts.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from chatlearn.config.engines import DEFAULT_MODULES, ENGINES, EngineSpec
+from chatlearn.config.root import ChatLearnConfig
+from chatlearn.config.support import unsupported_values
+from chatlearn.utils.imports import import_object
+
+__all__ = ["EngineChecks", "engine_name", "module_class_path"]
+
+
+def engine_name(cfg: ChatLearnConfig, engine: str | None = None) -> str:
+    """The engine to build: the one asked for in code, else ``runtime.engine``."""
+    return engine or cfg.runtime.engine
+
+
+def module_class_path(name: str, cfg: ChatLearnConfig) -> str | None:
+    """``args_dict.module`` of a model, else the built-in module of its name (None if there is none)."""
+    args = cfg.models[name].args_dict if name in cfg.models else {}
+    return args.get("module") or DEFAULT_MODULES.get(name)
+
+
+@dataclass
+class EngineChecks:
+    """Everything an engine needs of a config (a :class:`~chatlearn.config.root.ConfigCheck`).
+
+    ``modules`` are the module objects given in code (``RLHFEngine(policy, ...)``), by model name; the
+    others are checked against the module their config names.
+    """
+
+    engine: str | None = None
+    modules: Mapping[str, Any] = field(default_factory=dict)
+
+    def key(self, cfg: ChatLearnConfig) -> str:
+        given = ",".join(f"{n}={type(m).__module__}.{type(m).__qualname__}" for n, m in sorted(self.modules.items()))
+        return f"engine:{engine_name(cfg, self.engine)}:{given}"
+
+    def __call__(self, cfg: ChatLearnConfig) -> list[str]:
+        name = engine_name(cfg, self.engine)
+        spec = ENGINES.get(name)
+        if spec is None:
+            return [f"runtime.engine: unknown engine {name!r}; known: {sorted(ENGINES)}"]
+        roles = [r for r in spec.roles if r in cfg.models or r in self.modules]
+        problems = _roles(name, spec, cfg, self.modules)
+        problems += _data(name, spec, cfg)
+        problems += _module_args(cfg, roles, self.modules)
+        problems += _hooks(cfg)
+        problems += _layout(cfg, [r for r in roles if r in cfg.models])
+        problems += _sync_frequency(cfg, spec)
+        problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
+        return problems
+
+
+def _roles(name: str, spec: EngineSpec, cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> list[str]:
+    missing = [r for r in spec.roles if r not in cfg.models and r not in modules]
+    problems = []
+    if missing:
+        problems.append(f"models: the {name} engine needs models named {list(spec.roles)}; missing {missing}")
+    extra = [m for m in cfg.models if m not in spec.roles]
+    if extra and spec.trains:
+        problems += [f"models.{m}: the {name} engine does not use a model named {m!r} (it uses "
+                     f"{', '.join(spec.roles)}); remove it or rename it" for m in extra]
+    return problems
+
+
+def _data(name: str, spec: EngineSpec, cfg: ChatLearnConfig) -> list[str]:
+    rt = cfg.runtime
+    if spec.needs_train_data and not rt.data_path:
+        return [f"runtime.data_path: the {name} engine needs a prompt file (JSONL or JSON)"]
+    if not spec.trains and not rt.eval_data_path:
+        return ["runtime.eval_data_path: evaluation needs an eval set (JSONL or JSON prompt file)"]
+    return []
+
+
+def _module_args(cfg: ChatLearnConfig, roles: list[str], modules: Mapping[str, Any]) -> list[str]:
+    """Each model's ``args_dict`` against its module's ``args_schema``, as dotted paths."""
+    problems: list[str] = []
+    for name in roles:
+        if name not in cfg.models:
+            continue  # given in code only: it has no args_dict
+        if name in modules:
+            cls: Any = type(modules[name])
+        else:
+            spec = module_class_path(name, cfg)
+            if spec is None:
+                problems.append(f"models.{name}.args_dict.module: no built-in module for a model named "
+                                f"{name!r}; set args_dict.module to 'package.module:Class'")
+                continue
+            try:
+                cls = import_object(spec, "Class")
+            except ValueError as exc:
+                problems.append(f"models.{name}.args_dict.module: {exc}")
+                continue
+        schema = getattr(cls, "args_schema", None)
+        if schema is None:
+            continue
+        try:
+            schema.model_validate(cfg.models[name].args_dict or {})
+        except ValidationError as exc:
+            for err in exc.errors():
+                loc = ".".join(str(x) for x in err["loc"])
+                msg = err["msg"].removeprefix("Value error, ")
+                problems.append(f"models.{name}.args_dict.{loc}: {msg}")
+    return problems
+
+
+def _hooks(cfg: ChatLearnConfig) -> list[str]:
+    """Hooks named in the config must import; relay on needs its hook (ChatLearn raises too)."""
+    rt = cfg.runtime
+    problems = []
+    if rt.max_relay_episode != 0 and not rt.relay_sample_fn:
+        problems.append(f"runtime.relay_sample_fn: max_relay_episode={rt.max_relay_episode} turns relay on, which "
+                        "needs a hook 'package.module:function' that builds each episode's training samples from "
+                        "the kept episodes (e.g. chatlearn.data.relay:concat_all)")
+    for key in ("relay_sample_fn", "eval_post_process_fn"):
+        spec = getattr(rt, key)
+        if spec:
+            try:
+                hook = import_object(spec, "function")
+            except ValueError as exc:
+                problems.append(f"runtime.{key}: {exc}")
+                continue
+            if not callable(hook):
+                problems.append(f"runtime.{key}: {spec!r} is a {type(hook).__name__}, not a callable")
+    return problems
+
+
+def _layout(cfg: ChatLearnConfig, names: list[str]) -> list[str]:
+    """Layouts the runtime cannot run yet, said plainly instead of silently idling processes.
+
+    A replica of several processes needs the module to shard itself (data/tensor/pipeline parallel over
+    torch.distributed); the built-in modules do not yet, so each replica must be one process.
+    """
+    problems = []
+    for name in names:
+        m = cfg.models[name]
+        if m.num_gpu == 0 and m.num_cpu == 0:
+            continue  # reported by the config's own checks
+        layout = m.layout
+        if layout.processes > 1:
+            unit, per = ("num_gpu", "gpu_per_process") if m.num_gpu else ("num_cpu", "cpu_per_process")
+            problems.append(
+                f"models.{name}.{unit}: {getattr(m, unit)} with {per}={getattr(m, per)} gives {layout.processes} "
+                f"processes per replica ({layout.replicas} replica(s)); multi-process replicas (data/tensor/"
+                f"pipeline parallel) are not supported yet: set {per} to {unit} / replicas, or use more replicas"
+            )
+    return problems
+
+
+def _sync_frequency(cfg: ChatLearnConfig, spec: EngineSpec) -> list[str]:
+    """A model that receives weights syncs every N >= 1 episodes, or never (0); others may hold anything."""
+    problems = []
+    for _, dst in spec.sync:
+        if dst in cfg.models and cfg.models[dst].sync_frequency < 0:
+            problems.append(f"models.{dst}.sync_frequency: must be >= 0 for a model that receives weights "
+                            f"(0: never sync), got {cfg.models[dst].sync_frequency}")
+    return problems

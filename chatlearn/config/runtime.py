@@ -1,0 +1,210 @@
+"""``runtime_env`` and ``runtime``: ChatLearn 1.0.2's ``RuntimeEnvConfig`` and ``RuntimeConfig``, field for
+field, plus the runtime keys ChatLearn reads as user extras (``seed``, ``data_shuffle``, ...), declared here
+with their defaults so they are typed and documented like the rest."""
+
+import os
+from typing import Any
+
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from chatlearn.config.sections import Section
+
+__all__ = [
+    "CPU_SCHEDULE_STRATEGIES",
+    "PARAM_SYNC_COMM_TYPES",
+    "STREAM_DATA_LOADER_TYPES",
+    "RuntimeConfig",
+    "RuntimeEnvConfig",
+]
+
+STREAM_DATA_LOADER_TYPES = ("fixed", "dynamic")
+PARAM_SYNC_COMM_TYPES = ("broadcast", "p2p")
+CPU_SCHEDULE_STRATEGIES = ("PACK", "SPREAD")
+
+
+class RuntimeEnvConfig(Section):
+    """Runtime env config, you can refer https://docs.ray.io/en/latest/ray-core/handling-dependencies.html
+    for more information. Unknown keys are kept and readable with ``get(key)``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    pip: list[str] = Field(default_factory=list, description="pip install packages")
+    py_modules: list[str] = Field(default_factory=list, description="python modules")
+    working_dir: str = Field(
+        default_factory=os.getcwd, description="working directory (default: the current directory)"
+    )
+    platform: str = Field(default="", description="platform, e.g., DLC")
+    excludes: list[str] = Field(default_factory=list, description="excludes files from packaging")
+
+
+class RuntimeConfig(Section):
+    """Training related configs. Unknown keys are kept and readable with ``get(key)``.
+
+    After validation ``train_global_batch_size`` is never None (defaults to ``train_micro_batch_size``) and
+    ``output_dir`` is the run directory ``output_dir/exp_name`` (see :attr:`run_dir`).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    num_episode: int = Field(
+        default=5000,
+        description="[required] number of episodes. One episode includes a inference and training loop.",
+    )
+    sample_per_episode: int = Field(default=1000, description="[required] number of samples per episode.")
+    num_training_epoch: int = Field(
+        default=1, description="[optional] number of training epoch per episode. default set to 1."
+    )
+    generation_batch_size: int = Field(default=2, description="[required] generation(inference) batch size.")
+    train_micro_batch_size: int = Field(default=2, description="[required] training micro batch size.")
+    train_global_batch_size: int | None = Field(
+        default=None,
+        description="[required] training global batch size. None: set to train_micro_batch_size; "
+        "must be a multiple of train_micro_batch_size.",
+    )
+    save_episode_interval: int | None = Field(
+        default=None, description="[required] save checkpoint per save_episode_interval episodes."
+    )
+    log_interval: int = Field(
+        default=1, description="[optional] log time and memory per log_interval iterations."
+    )
+    data_path: str | list[str] | None = Field(
+        default=None, description="[required] data_path for dataset (a path, or a list of paths)"
+    )
+    colocation: list[str] = Field(
+        default_factory=list,
+        description='[optional] colocate models into the same device: a list of groups, each "a,b,c" '
+        "(a group may also be given as a list of model names)",
+    )
+    eval_episode_interval: int = Field(
+        default=0, description="[optional] eval every N episode, if 0, will not eval"
+    )
+    enable_resume_training: bool = Field(
+        default=True, description="[optional] enable resume training when data checkpoint is set"
+    )
+    data_checkpoint_path: str | None = Field(default=None, description="[optional] checkpoint for dataloader")
+    max_data_ckpt_nums: int | None = Field(default=None, description="[optional] max data checkpoint nums")
+    load_data_checkpoint_iteration: int | None = Field(
+        default=None, description="[optional] load data checkpoint from iteration"
+    )
+    stream_data_loader_type: str = Field(
+        default="fixed", description='[optional] stream_data_loader type, ["fixed", "dynamic"]'
+    )
+    debug: bool = Field(default=False, description="private")
+    nsys: bool = Field(default=False, description="enable nsys nvtx")
+    profiler_dir: str | None = Field(default=None, description="profiler dir")
+    coalesce_param: bool = Field(default=True, description="coalesce parameters in model sync")
+    coalesced_buffer_mb: int = Field(default=100, description="coalesce_buffer size in mb")
+    concurrent_comm: bool = Field(default=True, description="concurrent parameter sync")
+    param_sync_comm_type: str = Field(
+        default="broadcast", description="parameter sync communication type, broadcast/p2p"
+    )
+    param_sync_max_workers: int | None = Field(default=None, description="parameter sync max workers")
+    max_relay_episode: int = Field(
+        default=0,
+        description="max number of relay episodes, if max_relay_episode is set to -1, then relay all "
+        "episodes if max_relay_episode is set to 0, then relay is disabled (any negative value: all)",
+    )
+    relay_episode_offset: int = Field(default=0, description="relay after n episodes")
+    consumed_samples: int = Field(default=0, description="consumed samples")
+    concurrent_setup: bool = Field(default=False, description="concurrent model setup")
+    bucket_size_mb_in_memory_manager: int = Field(
+        default=1024, description="bucket size in the memory manager to reduce peak memory"
+    )
+    free_sync_collective_group: bool = Field(
+        default=False,
+        description="free collective group after parameter synchronization and rebuild before next "
+        "synchronization",
+    )
+    cpu_schedule_strategy: str = Field(
+        default="SPREAD",
+        description="[optional] cpu only model schedule policy, PACK or SPREAD PACK: All provided bundles "
+        "are packed onto a single node on a best-effort basis. SPREAD: Each bundle is spread onto separate "
+        "nodes on a best-effort basis.",
+    )
+    exp_name: str = Field(default="CHATLEARN", description="exp name for each run")
+    output_dir: str = Field(
+        default="./",
+        description="output dir; after loading it is output_dir/exp_name (exp_name appended once)",
+    )
+    # -- keys ChatLearn reads with runtime_args.get(...) or added after 1.0.2, declared with their defaults --
+    seed: int = Field(default=42, description="the run seed: sampling, data shuffling, init")
+    engine: str = Field(
+        default="rlhf", description="the engine `chatlearn train` builds when the config names none in code"
+    )
+    data_shuffle: bool = Field(
+        default=True,
+        description="shuffle the prompts in each pass over the dataset, seeded by (seed, pass) "
+        "(ChatLearn 1.0.3's key and default; 1.0.2 always read in file order)",
+    )
+    eval_data_path: str | list[str] | None = Field(
+        default=None, description="eval prompts (JSONL or JSON, a path or a list of paths)"
+    )
+    eval_post_process_fn: str | None = Field(
+        default=None,
+        description="'package.module:function(results, context) -> metrics' run on the eval results "
+        "(default: the mean score as eval_reward_mean)",
+    )
+    relay_sample_fn: str | None = Field(
+        default=None,
+        description="'package.module:function(episode_buffers) -> samples' that builds each relay "
+        "episode's training samples; required when max_relay_episode != 0",
+    )
+    enable_eval_before_training: bool = Field(
+        default=False, description="evaluate once before the first episode (ChatLearn 1.0.3)"
+    )
+
+    @field_validator("colocation", mode="before")
+    @classmethod
+    def _colocation_groups(cls, value: Any) -> Any:
+        # Accept "a,b" (one group) and [[a, b], "c,d"] as well as ChatLearn's ["a,b", "c,d"].
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            groups = []
+            for group in value:
+                if isinstance(group, (list, tuple)):
+                    group = ",".join(str(name) for name in group)
+                if isinstance(group, str):
+                    group = ",".join(n.strip() for n in group.split(",") if n.strip())
+                    if not group:
+                        continue
+                groups.append(group)
+            return groups
+        return value
+
+    @field_validator("stream_data_loader_type", "param_sync_comm_type", mode="after")
+    @classmethod
+    def _lower_choice(cls, value: str, info: ValidationInfo) -> str:
+        # Case-insensitive like ChatLearn's validation, but normalized so later exact comparisons work.
+        allowed = STREAM_DATA_LOADER_TYPES if info.field_name == "stream_data_loader_type" else PARAM_SYNC_COMM_TYPES
+        return value.lower() if value.lower() in allowed else value
+
+    @field_validator("cpu_schedule_strategy", mode="after")
+    @classmethod
+    def _upper_choice(cls, value: str) -> str:
+        return value.upper() if value.upper() in CPU_SCHEDULE_STRATEGIES else value
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "RuntimeConfig":
+        if self.train_global_batch_size is None:
+            self.train_global_batch_size = self.train_micro_batch_size
+        self.output_dir = self.run_dir
+        return self
+
+    @property
+    def run_dir(self) -> str:
+        """``output_dir/exp_name``; unchanged when ``output_dir`` already ends with ``exp_name``."""
+        out = self.output_dir or "./"
+        if not self.exp_name or os.path.basename(os.path.normpath(out)) == self.exp_name:
+            return out
+        return os.path.join(out, self.exp_name)
+
+    @property
+    def colocation_groups(self) -> list[list[str]]:
+        """``colocation`` split into lists of model names."""
+        return [[n.strip() for n in g.split(",") if n.strip()] for g in self.colocation]
+
+    @property
+    def shuffle_seed(self) -> int | None:
+        """The seed of the prompt order when ``data_shuffle`` is on, else None (file order)."""
+        return self.seed if self.data_shuffle else None

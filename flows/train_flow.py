@@ -1,0 +1,124 @@
+"""The train flow: validate, start or join Ray, create the model actors once, run one subflow per episode.
+
+The flow process is the Ray driver. Actors are created in `launch` (never in a task: an actor made inside a
+task dies with it) and killed on the way out, failures included. Per-episode metrics go to the terminal
+(progress bar + a metrics line every `log_interval` episodes), to `run_dir/metrics.jsonl`, and to Prefect
+artifacts. What is restored on resume and what a checkpoint record holds is `chatlearn.checkpoint.resume`.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from prefect import get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
+from chatlearn.checkpoint.resume import (
+    commit_data_checkpoint,
+    data_checkpoint_dir,
+    load_model_checkpoints,
+    restore_driver_and_relay,
+    resume_point,
+)
+from chatlearn.config import ChatLearnConfig
+from chatlearn.runtime.handles import RunHandle
+from chatlearn.runtime.launch import launch
+from chatlearn.runtime.model_group import ModelGroup
+from chatlearn.runtime.plan import resolve_engine
+from chatlearn.runtime.reporting import EpisodeReporter
+from chatlearn.runtime.sync import copy_weights
+from chatlearn.utils.faults import crash_point
+from flows.episode_flow import episode_flow
+from flows.prevalidated import ConfigParam, PrevalidatedFlow
+from flows.stage_tasks import evaluate
+
+
+def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: str | None = None) -> dict:
+    """Train with a ChatLearn config (object or YAML path); returns the last episode's metrics."""
+    cfg: ChatLearnConfig = config
+    eng = resolve_engine(cfg, modules, engine)  # raises ConfigError before any actor exists
+    resumed = resume_point(cfg)  # a missing or bad chosen record fails here too
+    run_dir = Path(cfg.runtime.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with launch(cfg, eng, data_checkpoint_dir(cfg)) as (run, groups, stream):
+        heads = {name: group.heads[0] for name, group in groups.items()}
+        if resumed is not None:
+            load_model_checkpoints([heads[m] for m in eng.plan.trainers], resumed.train_iteration)
+            restore_driver_and_relay(resumed, stream)
+            msg = (f"resuming after episode {resumed.episode + 1} (trainer iteration {resumed.train_iteration}, "
+                   f"{resumed.consumed_samples} samples consumed) from {run.data_checkpoint_path}")
+            get_run_logger().info(msg)
+            sys.stderr.write(msg + "\n")  # the terminal shows it whatever the Prefect log level
+        # ChatLearn syncs all parameters once before the first episode: inference copies start as the trainers.
+        for src, dst in eng.plan.sync:
+            copy_weights(heads[src], groups[dst].actors)
+        if resumed is not None:  # inference copies that may lag their trainer come from their own checkpoint
+            lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
+            load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
+        return _run_episodes(cfg, run, groups, run_dir, resumed)
+
+
+train_flow = PrevalidatedFlow(fn=_train, name="chatlearn-train", log_prints=True)
+
+
+def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], run_dir: Path,
+                  resumed: DataCheckpoint | None) -> dict:
+    rt = cfg.runtime
+    store = DataCheckpointStore(run.data_checkpoint_path)
+    first = resumed.episode + 1 if resumed is not None else 0
+    reporter = EpisodeReporter(cfg, run_dir, first_episode=first)
+    progress_id = create_progress_artifact(progress=100.0 * first / max(1, rt.num_episode),
+                                           key=reporter.artifact_key("progress"),
+                                           description=f"episodes of {rt.exp_name}")
+    if resumed is not None:
+        consumed, iteration = resumed.consumed_samples, resumed.train_iteration
+    else:
+        consumed, iteration = rt.consumed_samples, 0
+    last: dict[str, Any] = reporter.rows[-1] if reporter.rows else {}
+    initial_eval = None
+    if resumed is None and rt.enable_eval_before_training and run.eval_dataset_size:
+        # ChatLearn 1.0.3's enable_eval_before_training: the baseline the eval curve starts from
+        initial_eval = evaluate(run, -1, trained={"iteration": 0})["metrics"]["eval_reward_mean"]
+        print(f"eval before training: eval_reward_mean={initial_eval:.4g}")
+    try:
+        for episode in range(first, rt.num_episode):
+            t0 = time.perf_counter()
+            crash_point("episode_start", episode)
+            metrics = episode_flow(run, episode, consumed, iteration)
+            consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
+            if initial_eval is not None and episode == 0:
+                metrics["eval_reward_mean_before_training"] = initial_eval
+            metrics["episode_seconds"] = time.perf_counter() - t0
+            metrics["peak_memory_mb"] = max(ray.get([a.peak_memory.remote() for g in groups.values()
+                                                     for a in g.actors]))
+            reporter.record(metrics)
+            if metrics["checkpoint_paths"]:
+                path = commit_data_checkpoint(cfg, store, metrics)
+                create_markdown_artifact(
+                    key=reporter.artifact_key("data-checkpoint"),
+                    markdown=f"latest data checkpoint of **{rt.exp_name}**: episode {episode + 1}, trainer "
+                             f"iteration {metrics['iteration']}, `{path}`",
+                    description="where a re-run of this config resumes from",
+                )
+            update_progress_artifact(progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
+            create_table_artifact(key=reporter.artifact_key("metrics"), table=reporter.table(),
+                                  description=f"per-episode metrics of {rt.exp_name}")
+            last = metrics
+    finally:
+        reporter.close()
+    if run.plan.export:
+        path = run_dir / "final" / "policy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ray.get(groups[run.plan.export].heads[0].call.remote("export_hf", str(path)))
+        last["final_policy"] = str(path)
+    (run_dir / "summary.json").write_text(json.dumps(last, default=str, indent=1))
+    return last
