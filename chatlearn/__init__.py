@@ -1,5 +1,6 @@
 """ChatLearn on Prefect + Ray: ChatLearn's models and config vocabulary, episodes as Prefect flows on Ray."""
 
+import importlib
 from typing import Any
 
 from chatlearn.config.current import get_config, init
@@ -21,7 +22,5 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     # Lazy re-exports, so `import chatlearn` stays cheap: `chatlearn config` needs no torch, Ray or Prefect.
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'chatlearn' has no attribute {name!r}")

@@ -46,6 +46,7 @@ def _announce(msg: str) -> None:
 
 
 def cmd_eval(items: list[str]) -> int:
+    # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
     from chatlearn.runtime.engine import build_engine
     from chatlearn.runtime.prefect_server import local_prefect_api
 
@@ -58,6 +59,7 @@ def cmd_eval(items: list[str]) -> int:
 
 
 def cmd_train(items: list[str]) -> int:
+    # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
     from chatlearn.runtime.engine import build_engine
     from chatlearn.runtime.prefect_server import local_prefect_api
 

@@ -213,6 +213,9 @@ def test_unquoted_exponent_numbers_are_floats(tmp_path):
         ("[policy,reference]", ["policy", "reference"]),
         ("{a: 1}", {"a": 1}),
         ("a: b", "a: b"),
+        ("'recompute'", "recompute"),  # ChatLearn's literal_eval strips the quotes
+        ('"full"', "full"),
+        ("'unterminated", "'unterminated"),  # not a string literal: kept as written
     ],
 )
 def test_parse_value(text, value):
@@ -449,3 +452,45 @@ def test_relative_prompt_paths_fall_back_to_the_config_folder(tmp_path, monkeypa
     (elsewhere / "data").mkdir()
     (elsewhere / "data" / "p.jsonl").write_text('{"prompt": "y"}\n')
     assert load_config(cfg_dir / "main.yaml").runtime.data_path == "data/p.jsonl"
+
+
+def test_quoted_default_of_an_env_var_is_the_text(tmp_path, monkeypatch):
+    monkeypatch.delenv("CL_RECOMPUTE", raising=False)
+    write(tmp_path / "m.yaml", "recompute_granularity: ${CL_RECOMPUTE:'selective'}\n")
+    main = write(tmp_path / "main.yaml", "models:\n  policy:\n    num_gpu: 1\n    model_config_file: m.yaml\n")
+    assert load_config(main).models["policy"].args_dict["recompute_granularity"] == "selective"
+
+
+def test_unset_variable_for_a_field_that_cannot_be_none_names_both(tmp_path, monkeypatch):
+    monkeypatch.delenv("CL_EPISODES", raising=False)
+    monkeypatch.delenv("CL_DATA", raising=False)
+    main = write(tmp_path / "main.yaml", "runtime:\n  num_episode: ${CL_EPISODES}\n  data_path: ${CL_DATA}\n"
+                                         "models:\n  policy:\n    num_gpu: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(main)
+    assert info.value.problems == ["runtime.num_episode: ${CL_EPISODES} is not set and has no default"]
+    # an override fills it; data_path may be None (its default), with a warning naming the variable
+    with pytest.warns(ConfigWarning, match=r"\$\{CL_DATA\} at runtime.data_path"):
+        cfg = load_config(main, ["runtime.num_episode=3"])
+    assert cfg.runtime.num_episode == 3 and cfg.runtime.data_path is None
+
+
+def test_relative_paths_in_an_included_file_resolve_next_to_it(tmp_path, monkeypatch):
+    base = tmp_path / "project" / "configs"
+    write(base / "model.yaml", "hidden_size: 64\n")
+    (base / "data").mkdir()
+    (base / "data" / "train.jsonl").write_text('{"prompt": "x"}\n')
+    write(base / "default.yaml", "runtime:\n  data_path: data/train.jsonl\n  eval_data_path: [data/train.jsonl]\n"
+                                 "models:\n  policy:\n    num_cpu: 1\n    model_config_file: model.yaml\n")
+    mine = write(tmp_path / "elsewhere" / "mine.yaml", "includes: [../project/configs/default.yaml]\n"
+                                                       "runtime:\n  num_episode: 3\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(mine)
+    assert cfg.models["policy"].args_dict == {"hidden_size": 64}
+    assert cfg.models["policy"].model_config_file == str(base / "model.yaml")
+    assert cfg.runtime.data_path == str(base / "data" / "train.jsonl")
+    assert cfg.runtime.eval_data_path == [str(base / "data" / "train.jsonl")]
+    # the main config's folder is the fallback (ChatLearn's rule): a model file only there is found there
+    write(tmp_path / "elsewhere" / "only_here.yaml", "hidden_size: 32\n")
+    cfg = load_config(mine, ["models.policy.model_config_file=only_here.yaml"])
+    assert cfg.models["policy"].args_dict == {"hidden_size": 32}

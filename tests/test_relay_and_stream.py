@@ -15,7 +15,12 @@ from chatlearn.data.relay import (
     latest_only,
     load_hook,
 )
-from chatlearn.data.stream import micro_batches, select_episode_samples, training_batches
+from chatlearn.data.stream import (
+    episode_training_samples,
+    micro_batches,
+    select_episode_samples,
+    training_batches,
+)
 
 NUM_PROMPTS = 35
 SPE = 16
@@ -100,7 +105,7 @@ def test_relay_enabled_without_hook_raises():
     with pytest.raises(ValueError, match=r"runtime\.max_relay_episode is set .* no relay_sample_fn"):
         RelayBuffer(5, 0, None)
     with pytest.raises(ValueError, match="max_relay_episode"):
-        RelayBuffer(-2, 0, concat_all)
+        RelayBuffer(True, 0, concat_all)
 
 
 def test_relay_offset_streams_early_episodes():
@@ -136,6 +141,42 @@ def test_relay_hook_must_return_list_of_dicts():
     relay = RelayBuffer(2, 0, lambda b: [1, 2])
     with pytest.raises(TypeError, match="item 0 is a int"):
         relay.add_episode(0, episode_samples(0))
+
+
+def test_relay_below_minus_one_keeps_every_episode_as_chatlearn():
+    # ChatLearn's relay turns any negative max_relay_episode into an unbounded window (data.py: < 0 -> inf)
+    relay = RelayBuffer(-3, 0, concat_all)
+    for e in range(5):
+        out = relay.add_episode(e, episode_samples(e, spe=6))
+    assert relay.episodes == [0, 1, 2, 3, 4]
+    assert len(out) == 30
+
+
+@pytest.mark.parametrize("produced", [18, 14])
+def test_relay_takes_every_produced_sample_whatever_the_loader_type(produced):
+    # ChatLearn 1.0.2's relay branch drains the episode's whole queue into the hook, with the fixed loader
+    # too: 18 samples produced for sample_per_episode=16 are all relayed (none cut), and 14 are not an error.
+    seen = []
+
+    def hook(buffers):
+        seen.append([len(b.buffer) for b in buffers])
+        return concat_all(buffers)
+
+    relay = RelayBuffer(2, 0, hook)
+    own, train = episode_training_samples(episode_samples(0, spe=produced), 0, relay, "fixed", 16)
+    assert len(own) == len(train) == produced and seen == [[produced]]
+    own, train = episode_training_samples(episode_samples(1, spe=produced), 1, relay, "fixed", 16)
+    assert seen[-1] == [produced, produced] and len(train) == 2 * produced
+    assert len(training_batches(train, 4, 8)) == math.ceil(2 * produced / 8)
+
+
+def test_without_relay_the_loader_type_cuts_the_episode():
+    relay = RelayBuffer(2, 3, concat_all)  # relay from episode 3 on: episode 0 streams
+    own, train = episode_training_samples(episode_samples(0, spe=18), 0, relay, "fixed", 16)
+    assert values(train) == list(range(16)) and own == train
+    with pytest.raises(ValueError, match="only 14"):
+        episode_training_samples(episode_samples(0, spe=14), 0, relay, "fixed", 16)
+    assert len(episode_training_samples(episode_samples(0, spe=18), 0, relay, "dynamic", 16)[1]) == 18
 
 
 # ---------------------------------------------------------------- 5.3 #5: fixed / dynamic

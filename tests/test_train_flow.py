@@ -11,28 +11,75 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.integration
 
 
+def expected_first_episode_rewards(cfg):
+    """Episode 0's rewards computed here, without Ray or Prefect: the same prompts in the same generation
+    batches, sampled by the policy module with the run's seed and sample ids, scored by the reward rule."""
+    from chatlearn.data.prompts import load_records
+    from chatlearn.data.sampler import episode_prompt_batches
+    from chatlearn.models.hf.policy import PolicyInference
+    from chatlearn.models.hf.reward import RuleReward
+
+    rt = cfg.runtime
+    policy, reward = PolicyInference("policy"), RuleReward("reward")
+    policy.bind(cfg.models["policy"], rt, 0, rt.seed)
+    reward.bind(cfg.models["reward"], rt, 0, rt.seed)
+    policy.setup()
+    reward.setup()
+    dataset = policy.build_dataset(load_records(rt.data_path))
+    batches = episode_prompt_batches(len(dataset), 0, rt.sample_per_episode, cfg.models["policy"].generation_batch_size,
+                                     1, rt.shuffle_seed)
+    scores, position = [], 0
+    for iteration, (_, idx) in enumerate(batches):
+        batch = policy.collate_fn([dataset[i] for i in idx])
+        batch["sample_id"] = list(range(position, position + len(idx)))
+        position += len(idx)
+        scores += reward.score(policy.forward_step(batch, iteration)).tolist()
+    return scores
+
+
 def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, tmp_path, monkeypatch):
-    """The embedded default as a YAML path, shortened to 2 episodes through its ${num_episode:20} variable."""
+    """The embedded default as a YAML path, shortened to 2 episodes through its ${num_episode:20} variable;
+    then the eval flow on the policy it exported."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flows import train_flow
+    from chatlearn.config import EngineChecks, load_config, root
+    from flows import eval_flow, train_flow
 
     monkeypatch.chdir(tmp_path)  # prompt paths must resolve next to the config, from any directory
     monkeypatch.setenv("num_episode", "2")
     monkeypatch.setenv("CHATLEARN_OUTPUT_DIR", str(tmp_path))
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
+    # the config is validated once for the whole run: its own checks and the engine's
+    calls = {"config": 0, "engine": 0}
+    sections, engine_call = root.check_sections, EngineChecks.__call__
+
+    def count(kind, fn):
+        def counted(*args, **kwargs):
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(root, "check_sections", count("config", sections))
+    monkeypatch.setattr(EngineChecks, "__call__", count("engine", engine_call))
     result = train_flow(os.path.join(REPO, "configs", "default.yaml"))
+    assert calls == {"config": 1, "engine": 1}
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
 
     run_dir = tmp_path / "default"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["episode"] for r in rows] == [0, 1]
+    cfg = load_config(os.path.join(REPO, "configs", "default.yaml"),
+                      [f"runtime.output_dir={tmp_path}", f"models.policy.args_dict.model_path={tiny_model_dir}"])
+    first = expected_first_episode_rewards(cfg)
+    assert len(first) == 128 and len(set(first)) > 1  # a spread of scores, not one value
+    assert rows[0]["reward_mean"] == pytest.approx(sum(first) / len(first), abs=1e-6)
     for r in rows:
-        assert 0.0 <= r["reward_mean"] <= 1.0
         assert r["episode_seconds"] > 0
         assert r["train_steps"] == 4  # 128 samples / global batch 32
-        assert r["response_length_mean"] <= 2  # max_new_tokens
+        assert 1 <= r["response_length_mean"] <= 2  # max_new_tokens
         assert set(r["stage_seconds"]) >= {"generate", "score", "train", "sync", "checkpoint"}
     # eval every 2 episodes: after episode 1 only, plus the baseline before training
     assert "eval_reward_mean" not in rows[0] and 0.0 <= rows[1]["eval_reward_mean"] <= 1.0
@@ -69,6 +116,16 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     assert {"default-progress", "default-metrics", "default-eval-examples"} <= keys
     # the eval hook of the default config adds exact match to the rows
     assert 0.0 <= rows[1]["eval_exact_match"] <= rows[1]["eval_reward_mean"]
+
+    # ChatLearn's EvalEngine on the exported policy scores exactly what the run's last eval scored (the
+    # inference copy synced after episode 2 is that policy), and writes eval.json
+    metrics = eval_flow(load_config(os.path.join(REPO, "configs", "default.yaml"), [
+        f"runtime.output_dir={tmp_path}", "runtime.exp_name=evalonly", f"models.policy.args_dict.model_path={final}"]))
+    assert metrics["eval_reward_mean"] == rows[1]["eval_reward_mean"]
+    assert metrics["eval_exact_match"] == rows[1]["eval_exact_match"]
+    assert metrics["eval_num_samples"] == 128 and metrics["model_path"] == str(final)
+    assert json.loads((tmp_path / "evalonly" / "eval.json").read_text()) == json.loads(json.dumps(metrics))
+    assert live_actor_names("chatlearn-evalonly") == []
 
 
 def small_config(tmp_path, tiny_model_dir, exp_name, *extra):
@@ -148,19 +205,3 @@ def test_bad_config_is_rejected_before_a_flow_run_exists(prefect_api):
     assert any(p.startswith("runtime.train_global_batch_size") for p in err.value.problems)
     assert any(p.startswith("models.policy.args_dict.max_new_tokens") for p in err.value.problems)
     assert asyncio.run(count_runs()) == before
-
-
-def test_eval_flow_scores_a_saved_policy_with_the_post_processing_hook(prefect_api, ray_session, tiny_model_dir,
-                                                                       tmp_path, monkeypatch):
-    from flows import eval_flow
-
-    monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
-    cfg = small_config(tmp_path, tiny_model_dir, "evalonly")
-    metrics = eval_flow(cfg)
-    saved = json.loads((tmp_path / "evalonly" / "eval.json").read_text())
-    assert saved == json.loads(json.dumps(metrics))
-    assert metrics["eval_num_samples"] == 128
-    # the default config's hook adds exact match next to the mean reward; exact answers score 1.0
-    assert 0.0 <= metrics["eval_exact_match"] <= metrics["eval_reward_mean"] <= 1.0
-    assert metrics["model_path"] == tiny_model_dir
-    assert live_actor_names("chatlearn-evalonly") == []

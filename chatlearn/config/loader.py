@@ -85,7 +85,7 @@ def _beside(path: Any, folder: str) -> Any:
     """``folder/path`` when ``path`` is relative, not found from the working directory, and found there."""
     if not isinstance(path, str) or not path or os.path.isabs(path) or os.path.exists(path):
         return path
-    candidate = os.path.join(folder, os.path.expanduser(path))
+    candidate = os.path.normpath(os.path.join(folder, os.path.expanduser(path)))
     return candidate if os.path.exists(candidate) else path
 
 
@@ -100,7 +100,7 @@ def _anchor_included_paths(data: dict[str, Any], own_dir: str) -> None:
     if isinstance(models, dict):
         for model in models.values():
             if isinstance(model, dict) and isinstance(model.get("model_config_file"), str):
-                candidate = os.path.join(own_dir, model["model_config_file"])
+                candidate = os.path.normpath(os.path.join(own_dir, model["model_config_file"]))
                 if not os.path.isabs(model["model_config_file"]) and os.path.isfile(candidate):
                     model["model_config_file"] = candidate
 

@@ -9,16 +9,18 @@ Each seed field has a status:
   yet: one warning naming the field, and the run goes on;
 * ``inert``: has no effect by design here (stated in the table).
 
-The README's field table is :func:`markdown_table`; a test keeps the two equal. The refusal and the
+The table itself is ``support.yaml`` next to this file; the README's field table is :func:`markdown_table`, and a
+test keeps the two equal. The refusal and the
 warnings are part of an engine's checks (:mod:`chatlearn.config.engine_checks`), so ``chatlearn config``
 still prints such a config.
 """
 
-import sys
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+import yaml
 from pydantic import BaseModel
 
 from chatlearn.config.errors import ConfigWarning
@@ -36,101 +38,13 @@ class Support(NamedTuple):
     what: str
 
 
-_NOT_YET = "not implemented yet"
+def _read_table() -> dict[str, dict[str, Support]]:
+    table = yaml.safe_load((Path(__file__).parent / "support.yaml").read_text(encoding="utf-8"))
+    return {kind: {name: Support(*entry) for name, entry in fields.items()} for kind, fields in table.items()}
 
-FIELDS: dict[str, dict[str, Support]] = {
-    "runtime_env": {
-        "pip": Support("acts", "pip packages of the Ray runtime env of every actor and task"),
-        "py_modules": Support("acts", "local modules shipped to every Ray worker (Ray runtime env)"),
-        "working_dir": Support(
-            "acts", "uploaded as the Ray runtime env's working_dir when joining a cluster (`RAY_ADDRESS`) "
-            "and it is not the default (the current directory); a local run already runs there"
-        ),
-        "platform": Support("refused", "PAI-DLC multi-node bootstrap (`DLC`): " + _NOT_YET),
-        "excludes": Support("acts", "files left out of the uploaded working_dir"),
-    },
-    "runtime": {
-        "num_episode": Support("acts", "episodes to run"),
-        "sample_per_episode": Support("acts", "prompts generated per episode"),
-        "num_training_epoch": Support("acts", "passes over each episode's samples (later passes reshuffle)"),
-        "generation_batch_size": Support("acts", "prompts per generation call (default of every model)"),
-        "train_micro_batch_size": Support("acts", "samples per forward/backward"),
-        "train_global_batch_size": Support("acts", "samples per optimizer step (gradient accumulation)"),
-        "save_episode_interval": Support("acts", "model + data checkpoint every N episodes"),
-        "log_interval": Support("acts", "metrics line every N episodes"),
-        "data_path": Support("acts", "prompt file(s), JSONL or JSON"),
-        "colocation": Support("refused", "models sharing devices: " + _NOT_YET),
-        "eval_episode_interval": Support("acts", "eval every N episodes (0: never)"),
-        "enable_resume_training": Support("acts", "resume from the newest good data checkpoint"),
-        "data_checkpoint_path": Support("acts", "where data checkpoint records go (default run_dir/data_checkpoints)"),
-        "max_data_ckpt_nums": Support("acts", "keep the newest N data checkpoints and their model checkpoints"),
-        "load_data_checkpoint_iteration": Support("acts", "resume from this trainer iteration's record"),
-        "stream_data_loader_type": Support("acts", "`fixed` or `dynamic` episode size"),
-        "debug": Support("warned", "checking synced weights against the trainer's: " + _NOT_YET),
-        "nsys": Support("warned", "NVTX ranges for nsys: " + _NOT_YET),
-        "profiler_dir": Support("warned", "torch profiler traces: " + _NOT_YET),
-        "coalesce_param": Support(
-            "warned", "bucketed collective sync: " + _NOT_YET + " (sync goes through Ray's object store)"
-        ),
-        "coalesced_buffer_mb": Support("warned", "bucket size of collective sync: " + _NOT_YET),
-        "concurrent_comm": Support("warned", "parallel collective sync groups: " + _NOT_YET),
-        "param_sync_comm_type": Support("warned", "broadcast/p2p collective sync: " + _NOT_YET),
-        "param_sync_max_workers": Support("warned", "threads of collective sync: " + _NOT_YET),
-        "max_relay_episode": Support("acts", "relay window: 0 off, N the last N episodes, negative all"),
-        "relay_episode_offset": Support("acts", "episodes before this one train without relay"),
-        "consumed_samples": Support("acts", "where a fresh run starts in the prompt stream"),
-        "concurrent_setup": Support("acts", "models are always set up concurrently here (both values)"),
-        "bucket_size_mb_in_memory_manager": Support("warned", "offload buckets: " + _NOT_YET),
-        "free_sync_collective_group": Support("warned", "rebuilding collective sync groups: " + _NOT_YET),
-        "cpu_schedule_strategy": Support("warned", "PACK/SPREAD placement groups of CPU models: " + _NOT_YET),
-        "exp_name": Support("acts", "run name; the run directory is output_dir/exp_name"),
-        "output_dir": Support("acts", "parent of the run directory"),
-        "seed": Support("acts", "seed of sampling, prompt shuffling and init"),
-        "engine": Support("acts", "engine `chatlearn train` builds (`rlhf`)"),
-        "data_shuffle": Support("acts", "shuffle each pass over the prompts, seeded"),
-        "eval_data_path": Support("acts", "eval prompt file(s)"),
-        "eval_post_process_fn": Support("acts", "hook turning eval results into metrics"),
-        "relay_sample_fn": Support("acts", "hook building a relay episode's training samples"),
-        "enable_eval_before_training": Support("acts", "eval once before the first episode"),
-    },
-    "models.X": {
-        "num_device": Support("acts", "legacy alias of num_gpu"),
-        "num_gpu": Support("acts", "GPUs of the model (all replicas)"),
-        "num_cpu": Support("acts", "CPUs of a CPU-only model (all replicas)"),
-        "gpu_per_process": Support("acts", "GPUs per actor process"),
-        "cpu_per_process": Support("acts", "CPUs per actor process (also its torch threads)"),
-        "num_replica": Support("acts", "derived; a CPU model's explicit value is honoured"),
-        "trainable": Support("acts", "a trainer: one replica, runs train_step"),
-        "tensor_model_parallel_size": Support("acts", "1 only: a replica of several processes is refused"),
-        "pipeline_model_parallel_size": Support("acts", "1 only: a replica of several processes is refused"),
-        "zero_size": Support("acts", "1 only: a replica of several processes is refused"),
-        "model_config_file": Support("acts", "YAML read into args_dict"),
-        "config_dir": Support("inert", "set by the loader: the main config's folder"),
-        "model_type": Support("inert", "a free-form label, as in ChatLearn"),
-        "generation_batch_size": Support("acts", "this model's batch size (<= 0: runtime's)"),
-        "offload_optimizer_states": Support("refused", "optimizer offload between stages: " + _NOT_YET),
-        "sync_frequency": Support("acts", "sync into this model every N episodes (0: never)"),
-        "offload_weights": Support("refused", "weight offload between stages: " + _NOT_YET),
-        "free_grad_buffers": Support("refused", "freeing gradient buffers between stages: " + _NOT_YET),
-        "free_memory": Support("refused", "switch of the three above: " + _NOT_YET),
-        "args_dict": Support("acts", "the module's own arguments (checked against its schema)"),
-        "lora": Support("acts", "see models.X.lora.*"),
-        "batch_generation": Support("acts", "see models.X.batch_generation.*"),
-    },
-    "models.X.lora": {
-        "enable_lora": Support("refused", "LoRA adapters: " + _NOT_YET),
-        "part_module_name": Support("inert", "only read with enable_lora"),
-        "lora_dim": Support("inert", "only read with enable_lora"),
-        "lora_dropout": Support("inert", "only read with enable_lora"),
-        "lora_scaling": Support("inert", "only read with enable_lora"),
-        "lora_layer": Support("inert", "only read with enable_lora"),
-        "column_only_qkv": Support("inert", "only read with enable_lora"),
-    },
-    "models.X.batch_generation": {
-        "ranking": Support("acts", "sort each episode's prompts longest first"),
-        "min_prompt_length": Support("warned", "Megatron's first generation stage; Hugging Face generate has none"),
-    },
-}
+
+# section kind ("runtime", "models.X.lora", ...) -> field -> Support; the table lives in support.yaml
+FIELDS: dict[str, dict[str, Support]] = _read_table()
 
 _SET_BY_FREE_MEMORY = ("offload_weights", "free_grad_buffers", "offload_optimizer_states")
 
@@ -187,7 +101,3 @@ def markdown_table() -> str:
         for name, support in statuses.items():
             rows.append(f"| `{kind}.{name}` | {support.status} | {support.what} |")
     return "\n".join(rows) + "\n"
-
-
-if __name__ == "__main__":
-    sys.stdout.write(markdown_table())

@@ -17,6 +17,8 @@ import random
 from collections.abc import Sequence
 from typing import TypeVar
 
+from chatlearn.data.relay import RelayBuffer
+
 T = TypeVar("T")
 
 
@@ -39,6 +41,20 @@ def select_episode_samples(samples: list, loader_type: str, sample_per_episode: 
     raise ValueError(
         f"unknown runtime.stream_data_loader_type {loader_type!r}; expected one of {list(STREAM_LOADER_TYPES)}"
     )
+
+
+def episode_training_samples(produced: list[dict], episode: int, relay: RelayBuffer, loader_type: str,
+                             sample_per_episode: int) -> tuple[list[dict], list[dict]]:
+    """(the episode's own samples, what the trainers train on) for one episode.
+
+    Relay on for this episode: the relay buffer takes *every* produced sample, whatever the loader type (as
+    ChatLearn's relay branch drains the whole episode), and the hook's output is the training set. Otherwise
+    the loader type cuts the produced samples (`select_episode_samples`).
+    """
+    if relay.takes(episode):
+        return list(produced), relay.add_episode(episode, produced) or []
+    own = select_episode_samples(produced, loader_type, sample_per_episode)
+    return own, own
 
 
 def micro_batches(samples: Sequence[T], micro: int) -> list[list[T]]:

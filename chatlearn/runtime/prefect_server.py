@@ -21,6 +21,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
 
 def prefect_home() -> Path:
     return Path(os.environ.get("CHATLEARN_PREFECT_HOME", "~/.chatlearn/prefect")).expanduser()
@@ -108,9 +112,6 @@ def _stop(pid: int) -> None:
 
 def _drain_prefect_workers() -> None:
     """Send queued logs and events while the server is still up (else: 'Error logging to API')."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
     for worker in (APILogWorker, EventsWorker):
         with contextlib.suppress(Exception):
             worker.drain_all(timeout=10)
@@ -119,8 +120,6 @@ def _drain_prefect_workers() -> None:
 @contextlib.contextmanager
 def local_prefect_api(timeout: float = 90.0, announce=print) -> Iterator[str]:
     """Yield a Prefect API URL: `PREFECT_API_URL` if set, else a shared local server (started if needed)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     existing = os.environ.get("PREFECT_API_URL")
     if existing:
         yield existing

@@ -16,7 +16,7 @@ import ray
 from chatlearn.config import RuntimeConfig
 from chatlearn.data.batch import split_batch
 from chatlearn.data.relay import RelayBuffer, load_hook
-from chatlearn.data.stream import select_episode_samples
+from chatlearn.data.stream import episode_training_samples
 
 
 def _resolve(value: Any) -> Any:
@@ -47,12 +47,8 @@ class StreamDataset:
     def episode_samples(self, *batches: Any, episode: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
         """The episode's training samples (a ref owned by this actor) and the episode's experience stats."""
         produced = [s for b in batches for s in split_batch(_resolve(b))]
-        if self.relay.takes(episode):
-            own = produced
-            samples = self.relay.add_episode(episode, produced) or []
-        else:
-            own = samples = select_episode_samples(produced, self.rt.stream_data_loader_type,
-                                                   self.rt.sample_per_episode)
+        own, samples = episode_training_samples(produced, episode, self.relay, self.rt.stream_data_loader_type,
+                                                self.rt.sample_per_episode)
         stats = experience_stats(own)
         stats.update(num_samples=len(samples), relay_episodes=len(self.relay.episodes))
         return ray.put(samples), stats

@@ -1,0 +1,132 @@
+"""What an engine needs of a config, and the rule that no knob silently does nothing."""
+
+import os
+import warnings
+
+import pytest
+
+from chatlearn.config import ConfigError, ConfigWarning, EngineChecks, load_config
+from chatlearn.config.support import _CLASSES, FIELDS, markdown_table
+from chatlearn.models.hf.policy import PolicyArgs
+from tests.conftest import REPO
+
+DEFAULT = os.path.join(REPO, "configs", "default.yaml")
+
+
+def check(*overrides):
+    """Problems and warnings of the default config with `overrides`, with the rlhf engine's checks."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            load_config(DEFAULT, overrides, [EngineChecks()])
+            problems = []
+        except ConfigError as exc:
+            problems = exc.problems
+    return problems, [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+def other_value(kind, name):
+    """A value that is not the field's default and passes the config's own checks."""
+    special = {"platform": "DLC", "param_sync_comm_type": "p2p", "cpu_schedule_strategy": "PACK",
+               "colocation": "['policy,reference']", "profiler_dir": "/tmp/prof", "param_sync_max_workers": 2,
+               "min_prompt_length": 8}
+    if name in special:
+        return special[name]
+    field = _CLASSES[kind].model_fields[name]
+    default = field.default_factory() if field.default_factory else field.default
+    if isinstance(default, bool):
+        return str(not default).lower()
+    if isinstance(default, int):
+        return default + 1
+    raise AssertionError(f"no test value for {kind}.{name}")
+
+
+def override(kind, name, value):
+    prefix = {"runtime_env": "runtime_env", "runtime": "runtime", "models.X": "models.ppo_policy",
+              "models.X.lora": "models.ppo_policy.lora", "models.X.batch_generation": "models.policy.batch_generation"}
+    return f"{prefix[kind]}.{name}={value}"
+
+
+def path(kind, name):
+    return override(kind, name, "").split("=")[0]
+
+
+def test_every_seed_field_has_a_status():
+    for kind, cls in _CLASSES.items():
+        declared = set(cls.model_fields)
+        assert set(FIELDS[kind]) == declared, kind
+
+
+def fields_with(status):
+    return [(kind, name) for kind, fields in FIELDS.items() for name, s in fields.items() if s.status == status]
+
+
+@pytest.mark.parametrize("kind,name", fields_with("refused"))
+def test_a_value_that_would_change_results_is_refused(kind, name):
+    problems, _ = check(override(kind, name, other_value(kind, name)))
+    assert len(problems) == 1 and problems[0].startswith(f"{path(kind, name)}: "), problems
+    assert "is not supported yet" in problems[0]
+
+
+@pytest.mark.parametrize("kind,name", fields_with("warned"))
+def test_a_value_that_only_tunes_speed_warns_once(kind, name):
+    problems, warned = check(override(kind, name, other_value(kind, name)))
+    assert problems == []
+    assert [w for w in warned if w.startswith(path(kind, name) + "=")] == warned and len(warned) == 1, warned
+    assert "has no effect here" in warned[0]
+
+
+def test_the_default_config_is_clean():
+    assert check() == ([], [])
+
+
+def test_free_memory_names_the_switch_not_what_it_sets():
+    problems, _ = check("models.ppo_policy.free_memory=true")
+    assert [p.split(":")[0] for p in problems] == ["models.ppo_policy.free_memory"]
+
+
+def test_readme_has_the_field_table():
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    assert markdown_table() in readme
+
+
+def test_vllm_top_k_minus_one_means_off():
+    assert check("models.policy.args_dict.top_k=-1") == ([], [])
+    assert PolicyArgs(top_k=-1).top_k == 0
+    assert check("models.policy.args_dict.top_k=-2")[0] == [
+        "models.policy.args_dict.top_k: Input should be greater than or equal to -1"]
+
+
+def test_sync_frequency_minus_one_is_fine_where_no_weights_arrive():
+    assert check("models.reference.sync_frequency=-1") == ([], [])
+    assert check("models.policy.sync_frequency=-1")[0] == [
+        "models.policy.sync_frequency: must be >= 0 for a model that receives weights (0: never sync), got -1"]
+
+
+def test_engine_models_and_data():
+    problems, _ = check("runtime.engine=ppo")
+    assert problems == ["runtime.engine: unknown engine 'ppo'; known: ['eval', 'rlhf']"]
+    problems, _ = check("models.critic.num_cpu=1", "runtime.data_path=null")
+    assert problems == [
+        "models.critic: the rlhf engine does not use a model named 'critic' (it uses policy, reference, reward, "
+        "value, ppo_policy, ppo_value); remove it or rename it",
+        "runtime.data_path: the rlhf engine needs a prompt file (JSONL or JSON)",
+    ]
+    # the eval engine leaves a training config's other models alone, and needs the eval set
+    load_config(DEFAULT, [], [EngineChecks("eval")])
+    with pytest.raises(ConfigError, match="runtime.eval_data_path: evaluation needs an eval set"):
+        load_config(DEFAULT, ["runtime.eval_data_path=null"], [EngineChecks("eval")])
+
+
+def test_relay_needs_its_hook_and_hooks_must_import():
+    problems, _ = check("runtime.max_relay_episode=-3", "runtime.eval_post_process_fn=chatlearn.tasks.max_digit:no")
+    assert [p.split(":")[0] for p in problems] == ["runtime.relay_sample_fn", "runtime.eval_post_process_fn"]
+
+
+def test_multi_process_replicas_are_refused_with_the_arithmetic():
+    problems, _ = check("models.reference.num_cpu=2", "models.reference.cpu_per_process=1",
+                        "models.reference.num_replica=1")
+    assert problems == [
+        "models.reference.num_cpu: 2 with cpu_per_process=1 gives 2 processes per replica (1 replica(s)); "
+        "multi-process replicas (data/tensor/pipeline parallel) are not supported yet: set cpu_per_process to "
+        "num_cpu / replicas, or use more replicas"]
