@@ -184,5 +184,10 @@ def test_responses_do_not_depend_on_the_generation_batching(tiny_model_dir):
     split_texts, split_lp = gen([range(4), range(4, 6)])
     assert whole_texts == split_texts
     assert torch.allclose(whole_lp, split_lp, atol=1e-5)
+    # one prompt per batch: no padding at all, while the whole batch pads its shorter prompts
+    assert len({len(items[i]["prompt"]) for i in range(6)}) > 1
+    alone_texts, alone_lp = gen([[i] for i in range(6)])
+    assert alone_texts == whole_texts
+    assert torch.allclose(alone_lp, whole_lp, atol=1e-5)
     other_texts, _ = gen([range(6)])
     assert other_texts == whole_texts  # and the same ids give the same draws again

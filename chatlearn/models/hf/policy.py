@@ -31,20 +31,23 @@ class PerSampleSampler:
     """A logits processor that makes greedy decoding sample, with one random stream per sample.
 
     Gumbel-max: argmax(logits / T + Gumbel noise) is an exact draw from softmax(logits / T). The noise of row
-    i at step t comes from a generator seeded by (seed, sample_id[i], t), so a sample's response does not
-    depend on which batch, batch size or replica generated it; a resumed run and a run with another
-    `generation_batch_size` draw the same responses.
+    i at step t (the t-th response token) comes from a generator seeded by (seed, sample_id[i], t), so a
+    sample's response does not depend on which batch, batch size or replica generated it, nor on how much the
+    batch padded its prompt; a resumed run and a run with another `generation_batch_size` draw the same
+    responses. `prompt_width` is the batch's padded prompt length (where the response starts in `input_ids`).
     """
 
-    def __init__(self, seed: int, sample_ids: list[int], temperature: float, top_k: int, top_p: float):
+    def __init__(self, seed: int, sample_ids: list[int], temperature: float, top_k: int, top_p: float,
+                 prompt_width: int = 0):
         self.seed, self.sample_ids = seed, list(sample_ids)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.prompt_width = prompt_width
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        step = input_ids.shape[1]
+        step = input_ids.shape[1] - self.prompt_width
         scores = scores.float() / self.temperature
         vocab = scores.shape[-1]
-        if self.top_k and self.top_k < vocab:
+        if 0 < self.top_k < vocab:
             kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.top_p < 1.0:
@@ -99,7 +102,7 @@ class PolicyInference(HFModule):
         prompt_mask = data["prompt_mask"].to(self.device)
         if do_sample and data.get("sample_id") is not None:
             sampler = PerSampleSampler(self.seed, data["sample_id"], self.args.temperature, self.args.top_k,
-                                       self.args.top_p)
+                                       self.args.top_p, prompt_width=prompt_ids.shape[1])
             kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
         elif do_sample:
             kwargs = dict(do_sample=True, temperature=self.args.temperature, top_k=self.args.top_k,
