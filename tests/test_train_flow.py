@@ -11,13 +11,15 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.integration
 
 
-def expected_first_episode_rewards(cfg):
-    """Episode 0's rewards computed here, without Ray or Prefect: the same prompts in the same generation
-    batches, sampled by the policy module with the run's seed and sample ids, scored by the reward rule."""
+def rewards_in_process(cfg, evaluation=False):
+    """Episode 0's rewards (or the eval set's, before training) computed here, without Ray or Prefect: the same
+    prompts in the same generation batches, sampled by the policy module with the run's seed and sample ids
+    (or decoded greedily for eval), scored by the reward rule. Returns (scores, exact-match flags)."""
     from chatlearn.data.prompts import load_records
-    from chatlearn.data.sampler import episode_prompt_batches
+    from chatlearn.data.sampler import episode_prompt_batches, eval_prompt_batches
     from chatlearn.models.hf.policy import PolicyInference
     from chatlearn.models.hf.reward import RuleReward
+    from chatlearn.tasks.max_digit import exact_match
 
     rt = cfg.runtime
     policy, reward = PolicyInference("policy"), RuleReward("reward")
@@ -25,16 +27,25 @@ def expected_first_episode_rewards(cfg):
     reward.bind(cfg.models["reward"], rt, 0, rt.seed)
     policy.setup()
     reward.setup()
-    dataset = policy.build_dataset(load_records(rt.data_path))
-    batches = episode_prompt_batches(len(dataset), 0, rt.sample_per_episode, cfg.models["policy"].generation_batch_size,
-                                     1, rt.shuffle_seed)
-    scores, position = [], 0
+    batch_size = cfg.models["policy"].generation_batch_size
+    if evaluation:
+        dataset = policy.build_dataset(load_records(rt.eval_data_path))
+        batches = eval_prompt_batches(len(dataset), batch_size, 1)
+    else:
+        dataset = policy.build_dataset(load_records(rt.data_path))
+        batches = episode_prompt_batches(len(dataset), 0, rt.sample_per_episode, batch_size, 1, rt.shuffle_seed)
+    scores, exact, position = [], [], 0
     for iteration, (_, idx) in enumerate(batches):
         batch = policy.collate_fn([dataset[i] for i in idx])
-        batch["sample_id"] = list(range(position, position + len(idx)))
+        if evaluation:
+            out = policy.eval_step(batch)
+        else:
+            batch["sample_id"] = list(range(position, position + len(idx)))
+            out = policy.forward_step(batch, iteration)
         position += len(idx)
-        scores += reward.score(policy.forward_step(batch, iteration)).tolist()
-    return scores
+        scores += reward.score(out).tolist()
+        exact += [exact_match({"response": r, "answer": a}) for r, a in zip(out["response"], out["answer"])]
+    return scores, exact
 
 
 def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, tmp_path, monkeypatch):
@@ -65,26 +76,28 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     monkeypatch.setattr(EngineChecks, "__call__", count("engine", engine_call))
     result = train_flow(os.path.join(REPO, "configs", "default.yaml"))
     assert calls == {"config": 1, "engine": 1}
-    monkeypatch.undo()
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(root, "check_sections", sections)
+    monkeypatch.setattr(EngineChecks, "__call__", engine_call)
 
     run_dir = tmp_path / "default"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["episode"] for r in rows] == [0, 1]
     cfg = load_config(os.path.join(REPO, "configs", "default.yaml"),
                       [f"runtime.output_dir={tmp_path}", f"models.policy.args_dict.model_path={tiny_model_dir}"])
-    first = expected_first_episode_rewards(cfg)
+    first, _ = rewards_in_process(cfg)
     assert len(first) == 128 and len(set(first)) > 1  # a spread of scores, not one value
     assert rows[0]["reward_mean"] == pytest.approx(sum(first) / len(first), abs=1e-6)
+    before, _ = rewards_in_process(cfg, evaluation=True)
+    assert len(before) == 128
+    assert rows[0]["eval_reward_mean_before_training"] == pytest.approx(sum(before) / len(before), abs=1e-6)
     for r in rows:
         assert r["episode_seconds"] > 0
         assert r["train_steps"] == 4  # 128 samples / global batch 32
         assert 1 <= r["response_length_mean"] <= 2  # max_new_tokens
         assert set(r["stage_seconds"]) >= {"generate", "score", "train", "sync", "checkpoint"}
     # eval every 2 episodes: after episode 1 only, plus the baseline before training
-    assert "eval_reward_mean" not in rows[0] and 0.0 <= rows[1]["eval_reward_mean"] <= 1.0
+    assert "eval_reward_mean" not in rows[0] and "eval_reward_mean" in rows[1]
     assert "eval" in rows[1]["stage_seconds"]
-    assert 0.0 <= rows[0]["eval_reward_mean_before_training"] <= 1.0
     assert rows[1]["consumed_samples"] == 256
     assert rows[1]["iteration"] == 8
     assert rows[1]["checkpoint_paths"] == {}  # save_episode_interval is 10
@@ -114,8 +127,8 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     assert all(r.state.is_completed() for r in runs if r.name in ("episode-0", "episode-1"))
     keys = {a.key for a in arts}
     assert {"default-progress", "default-metrics", "default-eval-examples"} <= keys
-    # the eval hook of the default config adds exact match to the rows
-    assert 0.0 <= rows[1]["eval_exact_match"] <= rows[1]["eval_reward_mean"]
+    # the eval hook of the default config adds exact match to the rows (an exact answer scores 1.0)
+    assert rows[1]["eval_exact_match"] <= rows[1]["eval_reward_mean"]
 
     # ChatLearn's EvalEngine on the exported policy scores exactly what the run's last eval scored (the
     # inference copy synced after episode 2 is that policy), and writes eval.json

@@ -58,6 +58,7 @@ class ChatLearnConfig(BaseModel):
         default_factory=dict, description="the models of the job, by name, in the order they were given"
     )
     _checks_passed: set[str] = PrivateAttr(default_factory=set)
+    _validated: bool = PrivateAttr(default=False)  # its own checks passed (Prefect validates parameters again)
 
     @model_validator(mode="before")
     @classmethod
@@ -68,12 +69,16 @@ class ChatLearnConfig(BaseModel):
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> "ChatLearnConfig":
+        private = self.__pydantic_private__ or {}
+        if private.get("_validated"):  # an instance passed in again (a flow's parameter): checked already
+            return self
         _resolve_generation_batch_size(self.runtime, self.models)
         if not (info.context or {}).get(_CHECKED):
             _warn_unknown_model_keys(self.models)
             problems = collect_problems(self)
             if problems:
                 raise ValueError("\n".join(problems))
+        self._validated = True
         return self
 
     @classmethod
