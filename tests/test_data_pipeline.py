@@ -137,3 +137,11 @@ def test_shuffled_stream_is_a_function_of_seed_and_position():
     second = [stream_index(p, 10, 7) for p in range(10, 20)]
     assert sorted(second) == list(range(10)) and second != first_pass
     assert [stream_index(p, 10, 8) for p in range(10)] != first_pass
+
+
+def test_every_n_episodes_is_one_rule():
+    from chatlearn.runtime.schedule import every
+
+    assert [e for e in range(10) if every(3, e)] == [2, 5, 8]  # after the 3rd, 6th, 9th episode
+    assert [e for e in range(4) if every(1, e)] == [0, 1, 2, 3]
+    assert not any(every(n, e) for n in (0, None, -1) for e in range(5))  # never

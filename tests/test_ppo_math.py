@@ -19,6 +19,7 @@ from chatlearn.algorithms import (
     ppo_clipped_policy_loss,
     ppo_clipped_value_loss,
     register_policy_loss,
+    whiten_global_batch,
 )
 from chatlearn.algorithms.registry import POLICY_LOSSES
 
@@ -72,6 +73,18 @@ def test_masked_whiten() -> None:
     # shift_mean=False adds the mean (3) back: valid entries become w + 3, padding stays 0
     w_keep = masked_whiten(X, M, shift_mean=False)
     close(w_keep, [[1.7350889, 2.3675445, 3.0, 0.0], [3.6324555, 4.2649111, 0.0, 0.0]], atol=1e-5)
+
+
+def test_whiten_global_batch_whitens_across_micro_batches_of_different_widths() -> None:
+    # the values 1..5 of test_masked_whiten, split over two micro-batches padded to widths 3 and 2:
+    # one mean (3) and one unbiased variance (2.5) over all five, as if they were one batch
+    a, ma = torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[1.0, 1.0, 1.0]])
+    b, mb = torch.tensor([[4.0, 9.0], [5.0, 9.0]]), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    wa, wb = whiten_global_batch([a, b], [ma, mb])
+    close(wa, [[-1.2649111, -0.6324555, 0.0]], atol=1e-5)
+    close(wb, [[0.6324555, 0.0], [1.2649111, 0.0]], atol=1e-5)
+    assert wb[0, 1] == 0 and wb[1, 1] == 0  # padding (the 9s) excluded and zeroed
+    close(torch.cat([wa.flatten(), wb[:, 0]]), masked_whiten(X, M)[M.bool()], atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- rewards

@@ -161,6 +161,7 @@ def live_actor_names(namespace):
 def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, tiny_model_dir, tmp_path,
                                                     monkeypatch):
     import chatlearn
+    from chatlearn.config import EngineChecks
     from chatlearn.models.hf.policy import PolicyInference
     from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer, PPOValueTrainer
     from chatlearn.models.hf.reference import ReferenceModel
@@ -172,7 +173,12 @@ def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, ti
     chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine", "runtime.save_episode_interval=1"))
     engine = chatlearn.RLHFEngine(PolicyInference("policy"), ReferenceModel("reference"), RuleReward("reward"),
                                   ValueModel("value"), PPOPolicyTrainer("ppo_policy"), PPOValueTrainer("ppo_value"))
+    runs = []
+    checks = EngineChecks.__call__
+    monkeypatch.setattr(EngineChecks, "__call__", lambda self, cfg: runs.append(self.key(cfg)) or checks(self, cfg))
     result = engine.learn()
+    # learn(), the flow's call and its body all need the engine's checks with these modules: run once
+    assert len(runs) == 1 and "ppo_policy=chatlearn.models.hf.ppo_trainer.PPOPolicyTrainer" in runs[0]
     assert result["episode"] == 0 and result["train_steps"] == 1
     rows = (tmp_path / "engine" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1 and "eval_reward_mean" not in json.loads(rows[0])
