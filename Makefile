@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ train: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+
+# the edit-test loop: everything but the tests that start Ray and Prefect (about 40 s)
+test-fast: setup
+	$(BIN)/python -m pytest -q tests -m "not integration" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check chatlearn flows tests bench
