@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from chatlearn.config import ChatLearnConfig, ConfigError, ConfigWarning, EngineChecks, load_config
@@ -73,22 +74,32 @@ def cmd_train(items: list[str]) -> int:
     return 0
 
 
-def _show_config_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
-                         line: str | None = None) -> None:
-    if issubclass(category, ConfigWarning):
-        print(f"chatlearn: warning: {message}", file=sys.stderr)
-    else:
-        _default_showwarning(message, category, filename, lineno, file, line)
+def _config_warnings_as_lines(previous: Callable[..., None]) -> Callable[..., None]:
+    """A `warnings.showwarning` that prints a ConfigWarning as one `chatlearn: warning:` line."""
 
+    def show(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        if issubclass(category, ConfigWarning):
+            print(f"chatlearn: warning: {message}", file=sys.stderr)
+        else:
+            previous(message, category, filename, lineno, file, line)
 
-_default_showwarning = warnings.showwarning
+    return show
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    warnings.showwarning = _show_config_warning
+    previous = warnings.showwarning
+    warnings.showwarning = _config_warnings_as_lines(previous)
+    try:
+        return _main(argv)
+    finally:
+        warnings.showwarning = previous
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="chatlearn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -5,14 +5,23 @@ import os
 import subprocess
 import sys
 
+from chatlearn.cli import main
 from tests.conftest import REPO
 
 CLI = [sys.executable, "-m", "chatlearn.cli"]
 
 
 def run(*args, env=None):
+    """The real command in its own process."""
     return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env=dict(os.environ, **(env or {})))
+
+
+def run_here(capsys, *args):
+    """The same command in this process (no interpreter and torch start-up): (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def test_config_prints_the_resolved_default_with_overrides():
@@ -44,13 +53,13 @@ def test_config_lists_all_problems_and_exits_nonzero():
     assert res.stdout == ""
 
 
-def test_check_adds_the_engine_checks_in_the_same_list():
+def test_check_adds_the_engine_checks_in_the_same_list(capsys):
     args = ("runtime.train_global_batch_size=33", "models.ppo_policy.args_dict.lr=-1",
             "models.reward.args_dict.reward_fn=chatlearn.tasks.max_digit:nope")
-    assert run("config", *args[1:]).returncode == 0  # ChatLearn's loader has no opinion on args_dict
-    res = run("config", "--check", *args)
-    assert res.returncode == 2
-    problems = [line[4:] for line in res.stderr.splitlines()[1:]]
+    assert run_here(capsys, "config", *args[1:])[0] == 0  # ChatLearn's loader has no opinion on args_dict
+    code, _, err = run_here(capsys, "config", "--check", *args)
+    assert code == 2
+    problems = [line[4:] for line in err.splitlines()[1:]]
     assert [p.split(": ")[0] for p in problems] == [
         "runtime.train_global_batch_size", "models.reward.args_dict.reward_fn", "models.ppo_policy.args_dict.lr"]
     assert "has no attribute 'nope'" in problems[1]
@@ -67,16 +76,17 @@ def test_train_rejects_a_bad_config_before_starting_anything(tmp_path):
     assert not (tmp_path / "server.json").exists()  # no Prefect server was started
 
 
-def test_a_knob_that_would_change_results_is_refused_by_the_checks_only():
+def test_a_knob_that_would_change_results_is_refused_by_the_checks_only(capsys):
     # chatlearn config still prints it (ChatLearn's loader accepts it) ...
-    res = run("config", "models.ppo_policy.lora.enable_lora=true", "runtime.colocation=['policy,reference']")
-    assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["models"]["ppo_policy"]["lora"]["enable_lora"] is True
+    code, out, err = run_here(capsys, "config", "models.ppo_policy.lora.enable_lora=true",
+                              "runtime.colocation=['policy,reference']")
+    assert code == 0, err
+    assert json.loads(out)["models"]["ppo_policy"]["lora"]["enable_lora"] is True
     # ... and what would run it refuses it, naming the field
-    res = run("config", "--check", "models.ppo_policy.lora.enable_lora=true", "runtime.colocation=['policy,reference']",
-              "models.value.free_memory=true")
-    assert res.returncode == 2
-    problems = [line[4:] for line in res.stderr.splitlines()[1:]]
+    code, _, err = run_here(capsys, "config", "--check", "models.ppo_policy.lora.enable_lora=true",
+                            "runtime.colocation=['policy,reference']", "models.value.free_memory=true")
+    assert code == 2
+    problems = [line[4:] for line in err.splitlines()[1:]]
     assert problems == [
         "runtime.colocation: ['policy,reference'] is not supported yet (models sharing devices: not implemented "
         "yet); leave it at []",
@@ -88,6 +98,7 @@ def test_a_knob_that_would_change_results_is_refused_by_the_checks_only():
 
 
 def test_a_knob_that_only_tunes_speed_warns_once_and_runs():
+    # in its own process: Python shows a warning once per place, so only a fresh process proves "once"
     res = run("config", "--check", "runtime.coalesce_param=false", "runtime.cpu_schedule_strategy=PACK")
     assert res.returncode == 0, res.stderr
     warnings = [line for line in res.stderr.splitlines() if line.startswith("chatlearn: warning:")]
