@@ -28,7 +28,7 @@ def check(*overrides):
 def other_value(kind, name):
     """A value that is not the field's default and passes the config's own checks."""
     special = {"platform": "DLC", "param_sync_comm_type": "p2p", "cpu_schedule_strategy": "PACK",
-               "colocation": "['policy,reference']", "profiler_dir": "/tmp/prof", "param_sync_max_workers": 2,
+               "colocation": "['policy,reference']", "profiler_dir": "prof", "param_sync_max_workers": 2,
                "min_prompt_length": 8}
     if name in special:
         return special[name]
