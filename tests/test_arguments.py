@@ -327,13 +327,13 @@ def test_generation_batch_size_falls_back_to_runtime():
 
 
 def test_run_dir_and_output_dir_get_exp_name_once():
-    rt = RuntimeConfig(output_dir="/tmp/out", exp_name="exp1")
-    assert rt.output_dir == "/tmp/out/exp1"
-    assert rt.run_dir == "/tmp/out/exp1"
+    rt = RuntimeConfig(output_dir="out", exp_name="exp1")
+    assert rt.output_dir == "out/exp1"
+    assert rt.run_dir == "out/exp1"
     again = RuntimeConfig.model_validate(rt.model_dump())
-    assert again.output_dir == "/tmp/out/exp1"
-    assert RuntimeConfig(output_dir="/tmp/out/exp1/", exp_name="exp1").run_dir == "/tmp/out/exp1/"
-    assert RuntimeConfig(output_dir="/tmp/exp1x", exp_name="exp1").run_dir == "/tmp/exp1x/exp1"
+    assert again.output_dir == "out/exp1"
+    assert RuntimeConfig(output_dir="out/exp1/", exp_name="exp1").run_dir == "out/exp1/"
+    assert RuntimeConfig(output_dir="exp1x", exp_name="exp1").run_dir == "exp1x/exp1"
     cfg = ChatLearnConfig.model_validate({"runtime": {"output_dir": "runs", "exp_name": "e"}})
     assert cfg.runtime.run_dir == cfg.runtime.output_dir == os.path.join("runs", "e")
 

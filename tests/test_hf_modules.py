@@ -8,10 +8,11 @@ import torch
 from chatlearn.models.hf.policy import PolicyInference, response_mask_from_eos
 from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer, PPOValueTrainer
 from chatlearn.models.hf.reference import ReferenceModel
-from chatlearn.models.hf.reward import RuleReward, import_object
+from chatlearn.models.hf.reward import RuleReward
 from chatlearn.models.hf.value import ValueModel
 from chatlearn.tasks.max_digit import make_records, max_digit_reward
 from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
+from chatlearn.utils.imports import import_object
 
 
 def bound(cls, name, args, trainable=False):

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from chatlearn.config.engines import DEFAULT_MODULES, ENGINES, EngineSpec
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.config.support import unsupported_values
-from chatlearn.utils.imports import import_object
+from chatlearn.utils.imports import import_callable, import_object
 
 __all__ = ["EngineChecks", "engine_name", "module_class_path"]
 
@@ -127,12 +127,9 @@ def _hooks(cfg: ChatLearnConfig) -> list[str]:
         spec = getattr(rt, key)
         if spec:
             try:
-                hook = import_object(spec, "function")
+                import_callable(spec)
             except ValueError as exc:
                 problems.append(f"runtime.{key}: {exc}")
-                continue
-            if not callable(hook):
-                problems.append(f"runtime.{key}: {spec!r} is a {type(hook).__name__}, not a callable")
     return problems
 
 

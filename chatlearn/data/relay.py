@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from chatlearn.utils.files import fsync_dir, fsync_file
-from chatlearn.utils.imports import import_object
+from chatlearn.utils.imports import import_callable
 
 TENSORS_FILE = "relay.safetensors"
 META_FILE = "relay.json"
@@ -269,10 +269,7 @@ def _check_jsonable(value: Any, where: str) -> None:
 
 def load_hook(spec: str) -> Callable:
     """Import a hook named in a config as "package.module:function" (attribute path may be dotted)."""
-    obj = import_object(spec, "function")
-    if not callable(obj):
-        raise ValueError(f"hook {spec!r} is a {type(obj).__name__}, not a callable")
-    return obj
+    return import_callable(spec)
 
 
 def concat_all(buffers: list[EpisodeRelayBuffer]) -> list[dict]:

@@ -1,6 +1,7 @@
 """Objects named in configs as "package.module:name" (hooks, reward functions, module classes)."""
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 
@@ -22,4 +23,12 @@ def import_object(spec: str, what: str = "name") -> Any:
             obj = getattr(obj, attr)
         except AttributeError as exc:
             raise ValueError(f"{spec!r}: {module_name!r} has no attribute {attr_path!r}") from exc
+    return obj
+
+
+def import_callable(spec: str, what: str = "function") -> Callable[..., Any]:
+    """`import_object` for hooks and functions named in configs: the object must be callable."""
+    obj = import_object(spec, what)
+    if not callable(obj):
+        raise ValueError(f"{spec!r} is a {type(obj).__name__}, not a callable")
     return obj

@@ -16,7 +16,7 @@ from chatlearn.algorithms import get_advantage_estimator, kl_penalized_rewards
 from chatlearn.data.batch import split_batch
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, load_tokenizer
-from chatlearn.utils.imports import import_object
+from chatlearn.utils.imports import import_callable
 
 
 class PPOExperienceArgs(BaseModel):
@@ -36,8 +36,7 @@ class RuleRewardArgs(PPOExperienceArgs):
     @classmethod
     def _importable(cls, spec: str) -> str:
         # checked with the config, before any actor starts, not first in the reward actor's setup
-        if not callable(import_object(spec, "function")):
-            raise ValueError(f"{spec!r} is not a callable")
+        import_callable(spec)
         return spec
 
 
@@ -69,7 +68,7 @@ class RuleReward(_ExperienceMixin, BaseModule):
     args_schema = RuleRewardArgs
 
     def setup(self) -> None:
-        self.reward_fn: Callable[[dict], float] = import_object(self.args.reward_fn, "function")
+        self.reward_fn: Callable[[dict], float] = import_callable(self.args.reward_fn)
 
     def score(self, data: dict) -> torch.Tensor:
         samples = split_batch({k: v for k, v in data.items() if not isinstance(v, torch.Tensor)})
