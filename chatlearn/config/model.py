@@ -109,8 +109,8 @@ class ModelConfig(Section):
         default=1,
         description="[optional] number of module replica, for gpu model, num_replica = num_gpu // (TP * PP) "
         "(num_gpu // zero_size if zero_size > 1), for cpu model, num_replica = num_cpu // cpu_per_process "
-        "unless given explicitly. Derived; trainable models always run as one replica (num_replica = 1, "
-        "their GPUs form data-parallel ranks).",
+        "// (TP * PP * zero_size) unless given explicitly. Derived; trainable models always run as one replica "
+        "(num_replica = 1, their GPUs form data-parallel ranks).",
     )
     trainable: bool = Field(default=False, description="[required] whether model is trainable")
     tensor_model_parallel_size: int | None = Field(
@@ -182,7 +182,9 @@ class ModelConfig(Section):
                 return self.num_gpu // (tp * pp)
             return self.num_replica
         if self.num_cpu > 0 and not explicit and self.cpu_per_process and self.cpu_per_process > 0:
-            return self.num_cpu // self.cpu_per_process
+            # a CPU process plays a device: a replica is TP x PP x zero_size processes of cpu_per_process cores
+            per_replica = tp * pp * zero if tp * pp * zero > 0 else 1
+            return max(1, self.num_cpu // self.cpu_per_process // per_replica)
         return self.num_replica
 
     @property
