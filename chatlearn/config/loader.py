@@ -238,7 +238,11 @@ def _merge_model_config_files(
 
 def _sync_parallel_sizes(data: dict[str, Any], parsed: list[Override]) -> None:
     """Parallel sizes in ``args_dict`` (from the model config file) override the model's fields,
-    unless the field itself was given as an override; both end up equal."""
+    unless the field itself was given as an override; both end up equal.
+
+    Not for a CPU-only model: its file describes the GPU backend it shares with other models (ChatLearn's
+    rule reward reads the policy's Megatron file), and here a CPU model's TP x PP splits its processes into
+    replicas, so a file's TP 2 would halve a rule reward's replicas. Its own fields still set the split."""
     models = data.get("models")
     if not isinstance(models, dict):
         return
@@ -247,6 +251,8 @@ def _sync_parallel_sizes(data: dict[str, Any], parsed: list[Override]) -> None:
         if not isinstance(model, dict) or not isinstance(model.get("args_dict"), dict):
             continue
         args = model["args_dict"]
+        if not (model.get("num_gpu") or model.get("num_device")) and model.get("num_cpu"):
+            continue
         for key in PARALLEL_KEYS:
             if args.get(key) is None:
                 continue
