@@ -33,8 +33,9 @@ from chatlearn.config import ChatLearnConfig
 from chatlearn.runtime.handles import RunHandle
 from chatlearn.runtime.launch import launch
 from chatlearn.runtime.model_group import ModelGroup
+from chatlearn.runtime.placement import table_text
 from chatlearn.runtime.plan import resolve_engine
-from chatlearn.runtime.reporting import EpisodeReporter
+from chatlearn.runtime.reporting import EpisodeReporter, artifact_key
 from chatlearn.runtime.sync import copy_weights
 from chatlearn.utils.faults import crash_point
 from flows.episode_flow import episode_flow
@@ -50,6 +51,7 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
     run_dir = Path(cfg.runtime.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with launch(cfg, eng, data_checkpoint_dir(cfg)) as (run, groups, stream):
+        _show_placement(run)
         heads = {name: group.heads[0] for name, group in groups.items()}
         if resumed is not None:
             load_model_checkpoints([heads[m] for m in eng.plan.trainers], resumed.train_iteration)
@@ -65,6 +67,13 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
             lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
             load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
         return _run_episodes(cfg, run, groups, run_dir, resumed)
+
+
+def _show_placement(run: RunHandle) -> None:
+    """The realised placement: a table on the terminal and a Prefect artifact (one row per worker process)."""
+    sys.stderr.write(f"placement ({len(run.placement)} worker processes):\n{table_text(run.placement)}\n")
+    create_table_artifact(key=artifact_key(run.exp_name, "placement"), table=run.placement,
+                          description=f"where each model rank of {run.exp_name} runs")
 
 
 train_flow = PrevalidatedFlow(fn=_train, name="chatlearn-train", log_prints=True)

@@ -123,10 +123,10 @@ def test_relay_needs_its_hook_and_hooks_must_import():
     assert [p.split(":")[0] for p in problems] == ["runtime.relay_sample_fn", "runtime.eval_post_process_fn"]
 
 
-def test_multi_process_replicas_are_refused_with_the_arithmetic():
+def test_multi_process_replicas_need_a_module_that_takes_them():
     problems, _ = check("models.reference.num_cpu=2", "models.reference.cpu_per_process=1",
                         "models.reference.num_replica=1")
     assert problems == [
-        "models.reference.num_cpu: 2 with cpu_per_process=1 gives 2 processes per replica (1 replica(s)); "
-        "multi-process replicas (data/tensor/pipeline parallel) are not supported yet: set cpu_per_process to "
-        "num_cpu / replicas, or use more replicas"]
+        "models.reference.num_cpu: 2 with cpu_per_process=1 gives 2 processes per replica (1 replica(s)), but "
+        "ReferenceModel runs a replica in one process (data/tensor/pipeline parallel is not supported by it yet): "
+        "set cpu_per_process to num_cpu / replicas, use more replicas, or a module with multi_process = True"]

@@ -56,7 +56,7 @@ class EngineChecks:
         problems += _data(name, spec, cfg)
         problems += _module_args(cfg, roles, self.modules)
         problems += _hooks(cfg)
-        problems += _layout(cfg, [r for r in roles if r in cfg.models])
+        problems += _layout(cfg, [r for r in roles if r in cfg.models], self.modules)
         problems += _sync_frequency(cfg, spec)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         return problems
@@ -133,24 +133,35 @@ def _hooks(cfg: ChatLearnConfig) -> list[str]:
     return problems
 
 
-def _layout(cfg: ChatLearnConfig, names: list[str]) -> list[str]:
-    """Layouts the runtime cannot run yet, said plainly instead of silently idling processes.
+def _module_class(name: str, cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> Any:
+    """The module class a model runs (given in code, or named by the config); None if it does not import."""
+    if name in modules:
+        return type(modules[name])
+    spec = module_class_path(name, cfg)
+    try:
+        return import_object(spec, "Class") if spec else None
+    except ValueError:
+        return None  # reported by _module_args
 
-    A replica of several processes needs the module to shard itself (data/tensor/pipeline parallel over
-    torch.distributed); the built-in modules do not yet, so each replica must be one process.
-    """
+
+def _layout(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any]) -> list[str]:
+    """A replica of several processes needs a module that works with them (``multi_process = True``: it uses
+    its ``process_group``); the built-in modules run a replica in one process, so they refuse it plainly
+    instead of silently idling processes."""
     problems = []
     for name in names:
         m = cfg.models[name]
         if m.num_gpu == 0 and m.num_cpu == 0:
             continue  # reported by the config's own checks
         layout = m.layout
-        if layout.processes > 1:
+        cls = _module_class(name, cfg, modules)
+        if layout.processes > 1 and cls is not None and not getattr(cls, "multi_process", False):
             unit, per = ("num_gpu", "gpu_per_process") if m.num_gpu else ("num_cpu", "cpu_per_process")
             problems.append(
                 f"models.{name}.{unit}: {getattr(m, unit)} with {per}={getattr(m, per)} gives {layout.processes} "
-                f"processes per replica ({layout.replicas} replica(s)); multi-process replicas (data/tensor/"
-                f"pipeline parallel) are not supported yet: set {per} to {unit} / replicas, or use more replicas"
+                f"processes per replica ({layout.replicas} replica(s)), but {cls.__name__} runs a replica in one "
+                f"process (data/tensor/pipeline parallel is not supported by it yet): set {per} to {unit} / "
+                f"replicas, use more replicas, or a module with multi_process = True"
             )
     return problems
 

@@ -23,6 +23,9 @@ class BaseModule:
     """
 
     args_schema: ClassVar[type[BaseModel] | None] = None
+    # True when the module works with a replica of several processes (it uses `process_group`); the
+    # framework refuses multi-process layouts for modules that do not say so.
+    multi_process: ClassVar[bool] = False
 
     def __init__(self, name: str):
         self.name = name
@@ -32,6 +35,10 @@ class BaseModule:
         self.seed = 0
         self.run_dir = "."
         self.args: Any = None
+        # set by the framework when a replica has several processes (see `bind_process_group`)
+        self.process_group: Any = None
+        self.rank = 0
+        self.replica_size = 1
 
     # -- wiring done by the framework, before setup() -------------------------------------------------------
     def bind(self, module_args: ModelConfig, runtime_args: RuntimeConfig, replica_id: int, seed: int) -> None:
@@ -43,6 +50,11 @@ class BaseModule:
         self.run_dir = runtime_args.run_dir
         if self.args_schema is not None:
             self.args = self.args_schema.model_validate(module_args.args_dict or {})
+
+    def bind_process_group(self, group: Any, rank: int, size: int) -> None:
+        """The torch.distributed group of this model's replica and this process's rank in it; called before
+        `setup` when the replica has several processes (what they do together is the module's to decide)."""
+        self.process_group, self.rank, self.replica_size = group, rank, size
 
     @property
     def module_args(self) -> ModelConfig:

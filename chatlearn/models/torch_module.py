@@ -16,6 +16,7 @@ from chatlearn.checkpoint.model_checkpoint import (
     save_model_checkpoint,
 )
 from chatlearn.models.base_module import BaseModule
+from chatlearn.utils.devices import fake_gpus
 
 
 class TorchModule(BaseModule):
@@ -26,9 +27,8 @@ class TorchModule(BaseModule):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda") if torch.cuda.is_available() and self.module_args.num_gpu > 0 else (
-            torch.device("cpu")
-        )
+        on_gpu = torch.cuda.is_available() and self.module_args.num_gpu > 0 and not fake_gpus()
+        return torch.device("cuda") if on_gpu else torch.device("cpu")
 
     def bind(self, module_args, runtime_args, replica_id, seed) -> None:  # type: ignore[override]
         super().bind(module_args, runtime_args, replica_id, seed)
@@ -78,7 +78,7 @@ class TorchModule(BaseModule):
             restore_rng_state(state["rng"])
 
     def peak_memory(self) -> float:
-        if torch.cuda.is_available() and self.module_args.num_gpu > 0:
+        if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated() / 2**20
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 

@@ -34,17 +34,50 @@ class RunHandle(BaseModel):
     eval_episode_interval: int = 0
     checkpoint_models: list[str] = Field(default_factory=list, description="models that save checkpoints")
     eval_post_process_fn: str | None = None
+    placement: list[dict[str, Any]] = Field(default_factory=list, description="one row per worker process")
 
     def stream(self) -> Any:
         """The run's StreamDataset actor."""
         return ray.get_actor(self.stream_actor, namespace=self.namespace)
 
-    def heads(self, model: str) -> list[Any]:
-        """Process 0 of every replica of `model`."""
-        return [ray.get_actor(rep[0], namespace=self.namespace) for rep in self.actors[model]]
+    def heads(self, model: str) -> list["ModelHandle"]:
+        """Rank 0 of every replica of `model`."""
+        return [self._handle(model, rep[0]) for rep in self.actors[model]]
 
-    def all_actors(self, model: str) -> list[Any]:
-        return [ray.get_actor(n, namespace=self.namespace) for rep in self.actors[model] for n in rep]
+    def all_actors(self, model: str) -> list["ModelHandle"]:
+        """Every rank of every replica of `model`."""
+        return [self._handle(model, n) for rep in self.actors[model] for n in rep]
+
+    def _handle(self, model: str, process: str) -> "ModelHandle":
+        return ModelHandle(ray.get_actor(process, namespace=self.namespace), model, process)
+
+
+class ModelHandle:
+    """One rank of one model, inside a worker process that may host other models too.
+
+    ``handle.generate.remote(...)`` runs ``generate`` of this model's host in that process, so dispatch code
+    reads as if every model rank were its own actor. ``process`` names the worker: two handles with the same
+    process are colocated in one process (parameter sync between them is an in-process copy).
+    """
+
+    def __init__(self, actor: Any, model: str, process: str):
+        self.actor, self.model, self.process = actor, model, process
+
+    def __getattr__(self, method: str) -> "_ModelMethod":
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _ModelMethod(self.actor, self.model, method)
+
+    def __repr__(self) -> str:
+        return f"ModelHandle({self.model} in {self.process})"
+
+
+class _ModelMethod:
+    def __init__(self, actor: Any, model: str, method: str):
+        self.actor, self.model, self.method = actor, model, method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.actor.run.remote(self.model, self.method, *args, **kwargs)
 
 
 class RefBox:

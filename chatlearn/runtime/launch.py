@@ -21,9 +21,11 @@ from chatlearn.data.prompts import load_records
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime.handles import RunHandle
-from chatlearn.runtime.model_group import ModelGroup, create_model_group, required_cpus
+from chatlearn.runtime.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
+from chatlearn.runtime.placement import NodeSpec, plan_placement
 from chatlearn.runtime.plan import ResolvedEngine
 from chatlearn.runtime.stream_dataset import StreamDataset
+from chatlearn.utils.devices import fake_gpus
 
 logger = logging.getLogger("chatlearn")
 
@@ -46,11 +48,12 @@ def ray_runtime_env(cfg: ChatLearnConfig) -> dict[str, Any] | None:
     return out or None
 
 
-def init_ray(cfg: ChatLearnConfig, namespace: str) -> bool:
+def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     """Join `RAY_ADDRESS` (or an already initialized Ray), else start a local Ray sized for the models.
 
     Returns whether this call started Ray (and so must shut it down). A local Ray gets at least as many
-    logical CPUs as the model actors ask for, so the default six CPU models schedule on a 2-core machine.
+    logical CPUs as the plan's worker processes ask for, so CPU models schedule on a 2-core machine, and
+    declares ``CHATLEARN_FAKE_GPUS`` GPUs when that is set (GPU placement tested without GPUs).
     """
     if ray.is_initialized():
         return False
@@ -60,10 +63,12 @@ def init_ray(cfg: ChatLearnConfig, namespace: str) -> bool:
     if address:
         ray.init(address=address, **common)
         return True
-    # Logical CPUs: what the actors ask for, plus room for the dispatch tasks' worker processes. Ray keeps
+    # Logical CPUs: what the workers ask for, plus room for the dispatch tasks' worker processes. Ray keeps
     # at most `num_cpus` idle workers; fewer would make it kill and re-spawn them (seconds of imports) often.
-    cpus = max(os.cpu_count() or 1, int(required_cpus(cfg.models) + 0.999) + 4)
-    ray.init(num_cpus=cpus, include_dashboard=False, **common)
+    gpus = fake_gpus() or None
+    need = plan_placement(cfg, names, [NodeSpec(gpus or 10**6, None)]).cpus_required
+    cpus = max(os.cpu_count() or 1, int(need + 0.999) + 4)
+    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
     return True
 
 
@@ -75,13 +80,13 @@ def build_local_model_files(cfg: ChatLearnConfig, modules: dict[str, BaseModule]
             prepare(cfg.models[name])
 
 
-def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, groups: dict[str, ModelGroup], prefix: str,
+def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, prefix: str,
                 namespace: str, dataset_size: int, eval_size: int, data_checkpoint_path: str) -> RunHandle:
     rt, plan = cfg.runtime, eng.plan
     return RunHandle(
         namespace=namespace,
-        actors={n: [[prefix + f"{n}-r{r}-p{p}" for p in range(len(rep))] for r, rep in enumerate(g.replicas)]
-                for n, g in groups.items()},
+        actors={n: [[h.process for h in rep] for rep in g.replicas] for n, g in workers.groups.items()},
+        placement=workers.plan.rows(),
         plan=plan, dataset_size=dataset_size, eval_dataset_size=eval_size, run_dir=rt.run_dir, exp_name=rt.exp_name,
         data_checkpoint_path=data_checkpoint_path, stream_actor=prefix + "stream-dataset",
         sample_per_episode=rt.sample_per_episode,
@@ -110,20 +115,25 @@ def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
     build_local_model_files(cfg, eng.modules)
 
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
-    started_ray = init_ray(cfg, namespace)
+    names = list(eng.modules)
+    started_ray = init_ray(cfg, namespace, names)
     prefix = f"{uuid.uuid4().hex[:8]}-"
-    groups: dict[str, ModelGroup] = {}
+    workers: Workers | None = None
     stream = None
     try:
+        nodes, node_ids = cluster_nodes()
+        plan = plan_placement(cfg, names, nodes)  # PlacementError before any actor starts
+        for msg in plan.warnings:
+            logger.warning("placement: %s", msg)
         t0 = time.perf_counter()
-        for name, mod in eng.modules.items():
-            groups[name] = create_model_group(name, mod, cfg.models[name], rt, namespace, prefix)
+        workers = start_workers(plan, node_ids, cfg, eng.modules, namespace, prefix)
         stream = ray.remote(StreamDataset).options(name=prefix + "stream-dataset", namespace=namespace,
                                                    num_cpus=0, max_restarts=0).remote(rt)
-        infos = ray.get([a.setup.remote() for g in groups.values() for a in g.actors])
-        logger.info("created %d actors for %d models in %.1fs", len(infos), len(groups), time.perf_counter() - t0)
+        setup_models(workers, rt.concurrent_setup)
+        logger.info("started %d worker processes for %d models in %.1fs", len(workers.actors), len(names),
+                    time.perf_counter() - t0)
 
-        producer = groups[eng.plan.producer]
+        producer = workers.groups[eng.plan.producer]
         sizes = [0]
         if prompts:
             prompts_ref = ray.put(prompts)
@@ -131,11 +141,13 @@ def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
         if eval_prompts:
             eval_ref = ray.put(eval_prompts)
             ray.get([a.build_dataset.remote(eval_ref, True) for a in producer.heads])
-        yield (_run_handle(cfg, eng, groups, prefix, namespace, sizes[0], len(eval_prompts), data_checkpoint_path),
-               groups, stream)
+        run = _run_handle(cfg, eng, workers, prefix, namespace, sizes[0], len(eval_prompts), data_checkpoint_path)
+        yield run, workers.groups, stream
     finally:
-        for g in groups.values():
-            g.kill()
+        if workers is not None:
+            with contextlib.suppress(Exception):
+                ray.get([a.shutdown.remote() for a in workers.actors.values()], timeout=10)
+            workers.kill()
         if stream is not None:
             with contextlib.suppress(Exception):
                 ray.kill(stream, no_restart=True)

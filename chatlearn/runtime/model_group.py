@@ -1,70 +1,164 @@
-"""One model's actors: `num_replica` replicas, each a list of processes, with Ray resources from its config.
+"""Realise a placement plan on Ray: placement groups, worker processes, torch.distributed worlds, models.
 
-The resource arithmetic follows ChatLearn: a GPU model spreads `num_gpu` over its replicas and asks
-`gpu_per_process` GPUs per actor; a CPU-only model spreads `num_cpu` and asks `cpu_per_process` CPUs per
-actor; a trainable model is always one replica. Actors are created once per run by the train flow (the Ray
+Each placement unit (a colocation group, or a model alone) becomes one Ray placement group with one bundle
+per worker process, every bundle pinned to the node the plan chose (``ray.io/node-id`` label), so the plan
+printed by ``chatlearn plan`` is what runs. Workers are created once per run by the flow process (the Ray
 driver), never inside a task: an actor created in a task dies with it.
 """
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from chatlearn.config import ModelConfig, RuntimeConfig
+from chatlearn.config import ChatLearnConfig
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.actor import ModelActor
+from chatlearn.runtime.handles import ModelHandle
+from chatlearn.runtime.placement import NodeSpec, PlacementError, PlacementPlan
+from chatlearn.runtime.worker import Worker
 
+logger = logging.getLogger("chatlearn")
 
-def required_cpus(models: dict[str, ModelConfig]) -> float:
-    """Logical CPUs the model actors ask Ray for, all models together."""
-    return sum(m.layout.replicas * m.layout.processes * m.layout.cpus for m in models.values())
+# How long a placement group may stay pending before the run gives up (the plan said it fits).
+PG_TIMEOUT_S = 120.0
 
 
 @dataclass
 class ModelGroup:
-    """The live actors of one model; `replicas[r][p]` is process p of replica r."""
+    """The ranks of one model; ``replicas[r][k]`` is rank k of replica r."""
 
     name: str
-    config: ModelConfig
-    replicas: list[list[Any]] = field(default_factory=list)
+    replicas: list[list[ModelHandle]] = field(default_factory=list)
 
     @property
-    def actors(self) -> list[Any]:
+    def actors(self) -> list[ModelHandle]:
         return [a for rep in self.replicas for a in rep]
 
     @property
-    def heads(self) -> list[Any]:
-        """Process 0 of each replica: where batches are dispatched."""
+    def heads(self) -> list[ModelHandle]:
+        """Rank 0 of each replica: where batches are dispatched."""
         return [rep[0] for rep in self.replicas]
 
     @property
     def num_replica(self) -> int:
         return len(self.replicas)
 
+
+def cluster_nodes() -> tuple[list[NodeSpec], list[str]]:
+    """The live Ray nodes as the plan sees them (head first, then by address and id) and their node ids."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    alive.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeManagerAddress"], n["NodeID"]))
+    specs = [NodeSpec(int(n["Resources"].get("GPU", 0)), float(n["Resources"].get("CPU", 0))) for n in alive]
+    return specs, [n["NodeID"] for n in alive]
+
+
+@dataclass
+class Workers:
+    """The live worker processes of a run, by plan process id, and their placement groups."""
+
+    plan: PlacementPlan
+    actors: dict[int, Any]
+    names: dict[int, str]
+    groups: dict[str, ModelGroup]
+    placement_groups: list[Any]
+
     def kill(self) -> None:
-        for actor in self.actors:
+        for actor in self.actors.values():
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead: nothing to clean
                 pass
-        self.replicas = []
+        for pg in self.placement_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # already removed
+                pass
+        self.actors, self.placement_groups = {}, []
 
 
-def create_model_group(name: str, module: BaseModule, cfg: ModelConfig, runtime: RuntimeConfig,
-                       namespace: str | None = None, name_prefix: str = "") -> ModelGroup:
-    """Start the actors of one model (their `setup` is the caller's to run, so all models set up at once)."""
-    layout = cfg.layout
-    remote_cls = ray.remote(ModelActor)
-    group = ModelGroup(name=name, config=cfg)
-    for r in range(layout.replicas):
-        rep = []
-        for p in range(layout.processes):
-            opts: dict[str, Any] = dict(num_gpus=layout.gpus, num_cpus=layout.cpus, max_concurrency=1, max_restarts=0)
-            if name_prefix:
-                opts["name"] = f"{name_prefix}{name}-r{r}-p{p}"
-            if namespace:
-                opts["namespace"] = namespace
-            rep.append(remote_cls.options(**opts).remote(module, cfg, runtime, r))
-        group.replicas.append(rep)
-    return group
+def start_workers(plan: PlacementPlan, node_ids: list[str], cfg: ChatLearnConfig, modules: dict[str, BaseModule],
+                  namespace: str | None = None, name_prefix: str = "") -> Workers:
+    """Create the plan's placement groups and worker processes and join their torch.distributed worlds.
+
+    Models are not set up here (see :func:`setup_models`), so a failure leaves nothing half-initialised.
+    """
+    workers = Workers(plan, {}, {}, {}, [])
+    try:
+        for unit in plan.units:
+            procs = [plan.processes[i] for i in unit.processes]
+            bundles = [{"GPU": p.gpus} if p.devices else {"CPU": p.cpus} for p in procs]
+            pg = placement_group(bundles, strategy="PACK",
+                                 bundle_label_selector=[{"ray.io/node-id": node_ids[p.node]} for p in procs])
+            workers.placement_groups.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=PG_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise PlacementError(f"placement: Ray could not reserve {bundles} for {','.join(unit.models)} "
+                                     f"within {PG_TIMEOUT_S:.0f}s (other jobs on the cluster?)") from None
+            for bundle, p in enumerate(procs):
+                members = [(m, modules[m], cfg.models[m], replica, rank) for m, replica, rank in p.members]
+                colocated = {m: bool(plan.colocated.get(m)) for m in p.models}
+                opts: dict[str, Any] = dict(
+                    num_gpus=p.gpus, num_cpus=p.cpus, max_concurrency=1, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
+                name = f"{name_prefix}w{p.id}"
+                if name_prefix:
+                    opts["name"] = name
+                if namespace:
+                    opts["namespace"] = namespace
+                worker = ray.remote(Worker).options(**opts)
+                workers.actors[p.id] = worker.remote(members, cfg.runtime, p.cpus, colocated)
+                workers.names[p.id] = name
+        _join_worlds(plan, workers)
+        for name, reps in plan.models.items():
+            workers.groups[name] = ModelGroup(name, [[ModelHandle(workers.actors[r.process], name,
+                                                                  workers.names[r.process]) for r in rep]
+                                                     for rep in reps])
+        return workers
+    except BaseException:
+        workers.kill()
+        raise
+
+
+def _join_worlds(plan: PlacementPlan, workers: Workers) -> None:
+    """Units of several processes form one torch.distributed world each; every multi-process replica gets a
+    group in it (created by all ranks, in the same order)."""
+    calls = []
+    for unit in plan.units:
+        if len(unit.processes) < 2:
+            continue
+        rank_of = {pid: k for k, pid in enumerate(unit.processes)}
+        replica_ranks = {(m, i): tuple(rank_of[r.process] for r in rep) for m in unit.models
+                         for i, rep in enumerate(plan.models[m]) if len(rep) > 1}
+        groups = sorted(set(replica_ranks.values()))
+        addr, port = ray.get(workers.actors[unit.processes[0]].free_port.remote())
+        for pid, k in rank_of.items():
+            mine = {m: groups.index(replica_ranks[(m, replica)]) for m, replica, _ in plan.processes[pid].members
+                    if (m, replica) in replica_ranks}
+            calls.append(workers.actors[pid].init_distributed.remote(addr, port, len(unit.processes), k,
+                                                                     [list(g) for g in groups], mine))
+    ray.get(calls)
+
+
+def setup_models(workers: Workers, concurrent: bool) -> dict[str, list[dict[str, Any]]]:
+    """Run every model rank's `setup`: all at once (``concurrent_setup``) or model by model, as ChatLearn.
+
+    Returns each model's setup infos (node, GPU ids, seconds); a model whose ranks did not land on the devices
+    the plan gave is an error, since everything after (sync pairs, shares) assumes the plan."""
+    t0 = time.perf_counter()
+    calls = {name: [h.setup.remote() for h in g.actors] for name, g in workers.groups.items()} if concurrent else {}
+    infos: dict[str, list[dict[str, Any]]] = {}
+    for name, group in workers.groups.items():
+        infos[name] = ray.get(calls[name] if concurrent else [h.setup.remote() for h in group.actors])
+    logger.info("set up %d models (%s) in %.1fs", len(infos), "concurrently" if concurrent else "one by one",
+                time.perf_counter() - t0)
+    for name, reps in workers.plan.models.items():
+        planned = [list(r.devices) for rep in reps for r in rep]
+        got = [[int(g) for g in i["gpu_ids"]] for i in infos[name]]
+        if any(planned) and got != planned:
+            raise PlacementError(f"placement: {name} ranks got GPUs {got}, the plan gave {planned}")
+    return infos

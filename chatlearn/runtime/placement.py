@@ -38,6 +38,7 @@ __all__ = [
     "UnitSpec",
     "find_packs",
     "plan_placement",
+    "table_text",
     "uniform_cluster",
 ]
 
@@ -142,16 +143,23 @@ class PlacementPlan:
         return rows
 
     def table(self) -> str:
-        rows = self.rows()
-        head = ["process", "node", "devices", "cpus", "models"]
-        widths = [max(len(h), *(len(str(r[h])) for r in rows)) for h in head]
-        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
-        lines += ["  ".join(str(r[h]).ljust(w) for h, w in zip(head, widths, strict=True)) for r in rows]
+        lines = [table_text(self.rows())]
         summary = f"devices: {self.devices_required} required, {self.devices_available} available"
         if self.cpus_required:
             have = "unlimited" if self.cpus_available is None else f"{self.cpus_available:g}"
             summary += f"; CPUs: {self.cpus_required:g} required, {have} available"
         return "\n".join([*lines, summary])
+
+
+def table_text(rows: list[dict[str, Any]]) -> str:
+    """Rows of equal keys as an aligned plain-text table."""
+    if not rows:
+        return ""
+    head = list(rows[0])
+    widths = [max(len(h), *(len(str(r[h])) for r in rows)) for h in head]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(str(r[h]).ljust(w) for h, w in zip(head, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
 
 
 # -- replica arithmetic ------------------------------------------------------------------------------------------

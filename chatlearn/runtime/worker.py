@@ -1,0 +1,136 @@
+"""One worker process (a Ray actor): the ranks of every model the placement plan put on it.
+
+Colocated models on one device live in one process, as verl's hybrid workers do: torch and transformers are
+imported once, a colocated trainer → inference sync is an in-process copy, and memory is handed over between
+them: before a model runs, the other colocated models in the process offload what their flags allow and this
+model onloads what the call needs (ChatLearn's onload/offload, done when the device changes hands rather than
+twice per stage). Per-model calls go through :meth:`Worker.run`; :class:`~chatlearn.runtime.handles.ModelHandle`
+makes them look like calls on a per-model actor.
+
+A worker belongs to one placement unit; when the unit has several processes they form one torch.distributed
+world (gloo on CPU, NCCL on a real GPU), and each multi-process model replica gets its own group in it.
+"""
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from chatlearn.config import ModelConfig, RuntimeConfig
+from chatlearn.models.base_module import BaseModule
+from chatlearn.models.memory import PARTS, MemoryManager
+from chatlearn.runtime.actor import ModelActor
+from chatlearn.utils.devices import fake_gpus
+
+# What each call needs resident; anything else needs only the weights. Grads are made by backward.
+_NEEDS = {"train": ("weights", "optimizer"), "save_checkpoint": ("weights", "optimizer"),
+          "load_checkpoint": ("weights", "optimizer")}
+# Calls that do not touch a model's tensors: no handover around them.
+_NO_HANDOVER = {"setup", "build_dataset", "ping", "peak_memory", "info"}
+# Collective operations fail after this instead of hanging for gloo's default 30 minutes.
+DIST_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("CHATLEARN_DIST_TIMEOUT", "300")))
+
+
+class Worker:
+    """Hosts model ranks: ``members`` are (name, module, model config, replica id, rank in replica)."""
+
+    def __init__(self, members: list[tuple[str, BaseModule, ModelConfig, int, int]], runtime_args: RuntimeConfig,
+                 cpus: float, colocated: dict[str, bool]):
+        self.slots: dict[str, ModelActor] = {}
+        self.ranks: dict[str, tuple[int, int]] = {}
+        for name, module, cfg, replica, rank in members:
+            self.slots[name] = ModelActor(module, cfg, runtime_args, replica)
+            self.ranks[name] = (replica, rank)
+        if cpus >= 1:  # colocated models share the process's cores
+            torch.set_num_threads(int(cpus))
+        self.colocated = colocated
+        self.bucket_mb = runtime_args.bucket_size_mb_in_memory_manager
+        self.memory: dict[str, MemoryManager] = {}
+        self.released: dict[str, dict[str, int]] = {name: dict.fromkeys(PARTS, 0) for name in self.slots}
+        self.world_rank, self.world_size = 0, 1
+
+    # -- torch.distributed ----------------------------------------------------------------------------------
+    def free_port(self) -> tuple[str, int]:
+        """An address and a free port on this worker's node, for its world's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, addr: str, port: int, world_size: int, rank: int, groups: list[list[int]],
+                         mine: dict[str, int]) -> str:
+        """Join the unit's world and make every replica group (all ranks create all ``groups``, in the same
+        order, as torch requires); model ``m`` here gets ``groups[mine[m]]``."""
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
+                          LOCAL_RANK=str(rank))
+        backend = "nccl" if torch.cuda.is_available() and not fake_gpus() and ray.get_gpu_ids() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", world_size=world_size, rank=rank,
+                                timeout=DIST_TIMEOUT)
+        self.world_rank, self.world_size = rank, world_size
+        made = [dist.new_group(g, timeout=DIST_TIMEOUT) if len(g) < world_size else dist.group.WORLD
+                for g in groups]
+        for name, index in mine.items():
+            self.slots[name].module.bind_process_group(made[index], self.ranks[name][1], len(groups[index]))
+        return backend
+
+    # -- per-model calls ------------------------------------------------------------------------------------
+    def setup(self, name: str) -> dict[str, Any]:
+        info = self.slots[name].setup()
+        module = self.slots[name].module
+        model = getattr(module, "model", None)
+        if self.colocated.get(name) and isinstance(model, torch.nn.Module):
+            cfg = module.module_args
+            self.memory[name] = MemoryManager(
+                model, getattr(module, "optimizer", None), offload_weights=cfg.offload_weights,
+                offload_optimizer_states=cfg.offload_optimizer_states, free_grad_buffers=cfg.free_grad_buffers,
+                bucket_size_mb=self.bucket_mb)
+        info.update(replica=self.ranks[name][0], rank=self.ranks[name][1], world_rank=self.world_rank,
+                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return info
+
+    def run(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` of model ``name``'s host, handing the process's memory to it first."""
+        if method.startswith("_"):
+            raise AttributeError(f"refusing to call private method {method!r}")
+        if method not in _NO_HANDOVER:
+            self._hand_over([name], _NEEDS.get(method, ("weights",)))
+        return getattr(self.slots[name], method)(*args, **kwargs)
+
+    def copy_local(self, dst: str, src: str) -> bool:
+        """Parameter sync between two models of this process: a plain copy, no serialization."""
+        self._hand_over([src, dst], ("weights",))
+        self.slots[dst].module.set_weights(self.slots[src].module.get_weights())
+        return True
+
+    def _hand_over(self, names: list[str], needs: tuple[str, ...]) -> None:
+        for other, mm in self.memory.items():
+            if other not in names:
+                for part, n in mm.offload(PARTS).items():
+                    self.released[other][part] += n
+        for name in names:
+            mm = self.memory.get(name)
+            if mm is not None:
+                for part, n in mm.offload([p for p in PARTS if p not in needs and p != "grads"]).items():
+                    self.released[name][part] += n
+                mm.onload(needs)
+
+    # -- process-wide ---------------------------------------------------------------------------------------
+    def ping(self) -> bool:
+        return True
+
+    def peak_memory(self) -> float:
+        return max(slot.peak_memory() for slot in self.slots.values())
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes each model released so far, per part, and what is resident now (for tests and benchmarks)."""
+        return {name: {"released": dict(self.released[name]),
+                       "resident": {p: mm.resident(p) for p in PARTS} if (mm := self.memory.get(name)) else None}
+                for name in self.slots}
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
