@@ -1,9 +1,10 @@
-"""`chatlearn` command: `train`, `eval` and `config`, each `[CONFIG] [key=value ...]`.
+"""`chatlearn` command: `train`, `eval`, `config` and `plan`, each `[CONFIG] [key=value ...]`.
 
 Without CONFIG the embedded default (`configs/default.yaml`) is used. Dotted overrides after the config win
 over everything in the files (`runtime.num_episode=3 models.policy.num_cpu=1`). `train` and `eval` validate
 the config and their engine's needs, with every problem listed, before any Prefect or Ray resource exists;
-`config` prints what ChatLearn's loader would resolve (`--check` adds the engine's checks).
+`config` prints what ChatLearn's loader would resolve (`--check` adds the engine's checks); `plan` prints
+where every model rank would run on a cluster of `--nodes` x `--gpus-per-node` without starting Ray.
 
 The commands import torch, Ray and Prefect only when they run, so `chatlearn config` answers at once.
 """
@@ -11,13 +12,17 @@ The commands import torch, Ray and Prefect only when they run, so `chatlearn con
 import argparse
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from chatlearn.config import ChatLearnConfig, ConfigError, ConfigWarning, EngineChecks, load_config
+from chatlearn.config.engine_checks import engine_name
+from chatlearn.config.engines import ENGINES
 from chatlearn.data.prompts import DataError
+from chatlearn.runtime.placement import PlacementError, plan_placement, uniform_cluster
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -39,6 +44,19 @@ def _load(items: list[str], engine: str | None = None, check: bool = True) -> Ch
 def cmd_config(items: list[str], check: bool = False) -> int:
     cfg = _load(items, check=check)
     print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    return 0
+
+
+def cmd_plan(items: list[str], nodes: int, gpus_per_node: int, cpus_per_node: float | None) -> int:
+    cfg = _load(items)
+    spec = ENGINES[engine_name(cfg)]
+    names = [r for r in spec.roles if r in cfg.models]
+    plan = plan_placement(cfg, names, uniform_cluster(nodes, gpus_per_node, cpus_per_node))
+    for msg in plan.warnings:
+        print(f"chatlearn: warning: placement: {msg}", file=sys.stderr)
+    text = json.dumps(plan.to_json(), indent=1)
+    # one rank per line: collapse the innermost objects
+    print(re.sub(r"\{\s*([^{}\[\]]*?)\s*\}", lambda m: "{" + " ".join(m.group(1).split()) + "}", text))
     return 0
 
 
@@ -105,8 +123,14 @@ def _main(argv: list[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [("train", "train with a config (default: the embedded tiny PPO run)"),
                         ("eval", "evaluate a policy on the eval set (models.policy.args_dict.model_path=DIR)"),
-                        ("config", "print a config resolved, as JSON (as ChatLearn's loader resolves it)")]:
+                        ("config", "print a config resolved, as JSON (as ChatLearn's loader resolves it)"),
+                        ("plan", "print where every model rank would run on a cluster, as JSON (no Ray started)")]:
         p = sub.add_parser(name, help=help_)
+        if name == "plan":
+            p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
+            p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0)")
+            p.add_argument("--cpus-per-node", type=float, default=None,
+                           help="CPUs per node (default: not limited)")
         if name == "config":
             p.add_argument("--check", action="store_true",
                            help="also run the checks `chatlearn train` runs (engine models, module args, hooks, "
@@ -116,11 +140,16 @@ def _main(argv: list[str] | None) -> int:
     try:
         if ns.command == "config":
             return cmd_config(ns.args, ns.check)
+        if ns.command == "plan":
+            return cmd_plan(ns.args, ns.nodes, ns.gpus_per_node, ns.cpus_per_node)
         return {"train": cmd_train, "eval": cmd_eval}[ns.command](ns.args)
     except ConfigError as exc:
         print(f"chatlearn: invalid config ({len(exc.problems)} problem(s)):", file=sys.stderr)
         for problem in exc.problems:
             print(f"  - {problem}", file=sys.stderr)
+        return 2
+    except PlacementError as exc:
+        print(f"chatlearn: {exc}", file=sys.stderr)
         return 2
     except DataError as exc:
         print(f"chatlearn: bad data: {exc}", file=sys.stderr)

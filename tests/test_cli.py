@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from chatlearn.cli import main
 from tests.conftest import REPO
 
@@ -78,20 +80,14 @@ def test_train_rejects_a_bad_config_before_starting_anything(tmp_path):
 
 def test_a_knob_that_would_change_results_is_refused_by_the_checks_only(capsys):
     # chatlearn config still prints it (ChatLearn's loader accepts it) ...
-    code, out, err = run_here(capsys, "config", "models.ppo_policy.lora.enable_lora=true",
-                              "runtime.colocation=['policy,reference']")
+    code, out, err = run_here(capsys, "config", "models.ppo_policy.lora.enable_lora=true")
     assert code == 0, err
     assert json.loads(out)["models"]["ppo_policy"]["lora"]["enable_lora"] is True
     # ... and what would run it refuses it, naming the field
-    code, _, err = run_here(capsys, "config", "--check", "models.ppo_policy.lora.enable_lora=true",
-                            "runtime.colocation=['policy,reference']", "models.value.free_memory=true")
+    code, _, err = run_here(capsys, "config", "--check", "models.ppo_policy.lora.enable_lora=true")
     assert code == 2
     problems = [line[4:] for line in err.splitlines()[1:]]
     assert problems == [
-        "runtime.colocation: ['policy,reference'] is not supported yet (models sharing devices: not implemented "
-        "yet); leave it at []",
-        "models.value.free_memory: True is not supported yet (switch of the three above: not implemented yet); "
-        "leave it at False",
         "models.ppo_policy.lora.enable_lora: True is not supported yet (LoRA adapters: not implemented yet); "
         "leave it at False",
     ]
@@ -99,12 +95,59 @@ def test_a_knob_that_would_change_results_is_refused_by_the_checks_only(capsys):
 
 def test_a_knob_that_only_tunes_speed_warns_once_and_runs():
     # in its own process: Python shows a warning once per place, so only a fresh process proves "once"
-    res = run("config", "--check", "runtime.coalesce_param=false", "runtime.cpu_schedule_strategy=PACK")
+    res = run("config", "--check", "runtime.coalesce_param=false", "runtime.param_sync_comm_type=p2p",
+              "runtime.colocation=[]", "models.value.free_memory=true")
     assert res.returncode == 0, res.stderr
     warnings = [line for line in res.stderr.splitlines() if line.startswith("chatlearn: warning:")]
     assert warnings == [
         "chatlearn: warning: runtime.coalesce_param=False has no effect here: bucketed collective sync: not "
         "implemented yet (sync goes through Ray's object store)",
-        "chatlearn: warning: runtime.cpu_schedule_strategy='PACK' has no effect here: PACK/SPREAD placement groups "
-        "of CPU models: not implemented yet",
+        "chatlearn: warning: runtime.param_sync_comm_type='p2p' has no effect here: broadcast/p2p collective sync: "
+        "not implemented yet",
+        "chatlearn: warning: models.value.free_memory=True has no effect here: value is not in a colocation group "
+        "(ChatLearn offloads only colocated models)",
     ]
+
+
+GPU_LAYOUT = ["runtime.colocation=['policy,reference,reward,value']", "runtime.generation_batch_size=32",
+              "models.policy.num_gpu=4", "models.reference.num_gpu=2", "models.reward.num_gpu=2",
+              "models.value.num_gpu=2", "models.ppo_policy.num_gpu=1", "models.ppo_value.num_gpu=1"]
+
+
+def test_plan_prints_chatlearns_placement_without_ray(capsys):
+    code, out, err = run_here(capsys, "plan", "--nodes", "2", "--gpus-per-node", "4", *GPU_LAYOUT)
+    assert code == 0, err
+    plan = json.loads(out)
+    third, half = {"share": 0.333333}, {"share": 0.5}
+
+    def rank(node, device, process, share=None):
+        return {"node": node, "device": device, "share": 1.0, "process": process, **(share or {})}
+
+    # packs [policy], [reference, reward], [value]: devices 0-1 hold policy+reference+value, 2-3 policy+reward
+    assert plan["models"]["policy"]["replicas"] == [[rank(0, 0, 0, third)], [rank(0, 1, 1, third)],
+                                                    [rank(0, 2, 2, half)], [rank(0, 3, 3, half)]]
+    assert plan["models"]["reference"]["replicas"] == [[rank(0, 0, 0, third)], [rank(0, 1, 1, third)]]
+    assert plan["models"]["value"]["replicas"] == [[rank(0, 0, 0, third)], [rank(0, 1, 1, third)]]
+    assert plan["models"]["reward"]["replicas"] == [[rank(0, 2, 2, half)], [rank(0, 3, 3, half)]]
+    # node 0 is full: the trainers go to node 1
+    assert plan["models"]["ppo_policy"] == {"num_replica": 1, "replicas": [[rank(1, 0, 4)]]}
+    assert plan["models"]["ppo_value"] == {"num_replica": 1, "replicas": [[rank(1, 1, 5)]]}
+    assert (plan["devices_required"], plan["devices_available"]) == (6, 8)
+    assert "2 of 8 GPUs are not used by any model" in err
+
+
+def test_plan_and_train_refuse_a_cluster_too_small_with_the_same_error(capsys, tmp_path):
+    code, _, err = run_here(capsys, "plan", "--gpus-per-node", "0", *GPU_LAYOUT)
+    assert code == 2
+    gpu_line = "  GPUs: 6 required, 0 available (1 node(s): 0 GPUs); per model: colocation group " \
+               "'policy,reference,reward,value' 4 (policy 4, reference 2, reward 2, value 2); ppo_policy 1; ppo_value 1"
+    assert err.splitlines() == ["chatlearn: placement: the config needs more than the cluster has:", gpu_line]
+
+
+@pytest.mark.integration
+def test_train_refuses_a_cluster_too_small_before_any_actor(tmp_path):
+    res = run("train", *GPU_LAYOUT, f"runtime.output_dir={tmp_path}", env={"CHATLEARN_FAKE_GPUS": "2"})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "chatlearn: placement: the config needs more than the cluster has:" in res.stderr
+    assert "  GPUs: 6 required, 2 available (1 node(s): 2 GPUs); per model: colocation group" in res.stderr
+    assert not (tmp_path / "default" / "metrics.jsonl").exists()

@@ -80,9 +80,12 @@ def test_the_default_config_is_clean():
     assert check() == ([], [])
 
 
-def test_free_memory_names_the_switch_not_what_it_sets():
-    problems, _ = check("models.ppo_policy.free_memory=true")
-    assert [p.split(":")[0] for p in problems] == ["models.ppo_policy.free_memory"]
+def test_offload_flags_act_on_colocated_models_and_warn_on_others():
+    assert check("models.ppo_policy.free_memory=true") == ([], [])  # the default colocates all six
+    problems, warned = check("models.ppo_policy.free_memory=true", "models.value.offload_weights=true",
+                             "runtime.colocation=['policy,reference,reward,ppo_policy']")
+    assert problems == []
+    assert [w.split("=")[0] for w in warned] == ["models.value.offload_weights"]  # the switch, not its effects
 
 
 def test_readme_has_the_field_table():

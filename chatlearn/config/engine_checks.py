@@ -6,6 +6,7 @@ They run when an engine is built (``chatlearn train``, ``chatlearn eval``, ``eng
 problem. Plain ``chatlearn config`` does not run them: it resolves any config ChatLearn's loader accepts.
 """
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from chatlearn.config.engines import DEFAULT_MODULES, ENGINES, EngineSpec
+from chatlearn.config.errors import ConfigWarning
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.config.support import unsupported_values
 from chatlearn.utils.imports import import_callable, import_object
@@ -59,6 +61,7 @@ class EngineChecks:
         problems += _layout(cfg, [r for r in roles if r in cfg.models], self.modules)
         problems += _sync_frequency(cfg, spec)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
+        _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
         return problems
 
 
@@ -164,6 +167,18 @@ def _layout(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any]) 
                 f"replicas, use more replicas, or a module with multi_process = True"
             )
     return problems
+
+
+def _warn_offload_without_colocation(cfg: ChatLearnConfig, names: list[str]) -> None:
+    """ChatLearn offloads only colocated models; the flags on a model alone on its devices do nothing."""
+    grouped = {n for g in cfg.runtime.colocation_groups if len([m for m in g if m in names]) > 1 for n in g}
+    for name in names:
+        m = cfg.models[name]
+        given = ["free_memory"] if m.free_memory else [
+            k for k in ("offload_weights", "offload_optimizer_states", "free_grad_buffers") if getattr(m, k)]
+        for key in given if name not in grouped else []:
+            warnings.warn(f"models.{name}.{key}=True has no effect here: {name} is not in a colocation group "
+                          "(ChatLearn offloads only colocated models)", ConfigWarning, stacklevel=2)
 
 
 def _sync_frequency(cfg: ChatLearnConfig, spec: EngineSpec) -> list[str]:
