@@ -45,6 +45,7 @@ from flows.stage_tasks import evaluate
 
 def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: str | None = None) -> dict:
     """Train with a ChatLearn config (object or YAML path); returns the last episode's metrics."""
+    t_start = time.perf_counter()
     cfg: ChatLearnConfig = config
     eng = resolve_engine(cfg, modules, engine)  # raises ConfigError before any actor exists
     resumed = resume_point(cfg)  # a missing or bad chosen record fails here too
@@ -66,7 +67,9 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
         if resumed is not None:  # inference copies that may lag their trainer come from their own checkpoint
             lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
             load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
-        return _run_episodes(cfg, run, groups, run_dir, resumed)
+        startup = time.perf_counter() - t_start
+        sys.stderr.write(f"ready to train in {startup:.1f}s (actors, model setup, first sync)\n")
+        return _run_episodes(cfg, run, groups, run_dir, resumed, startup)
 
 
 def _show_placement(run: RunHandle) -> None:
@@ -79,8 +82,15 @@ def _show_placement(run: RunHandle) -> None:
 train_flow = PrevalidatedFlow(fn=_train, name="chatlearn-train", log_prints=True)
 
 
+def _released_bytes(groups: dict[str, ModelGroup]) -> int:
+    """Bytes the colocated models handed over so far (offloaded weights/optimizer states, freed grads)."""
+    workers = {h.process: h.actor for g in groups.values() for h in g.actors}
+    reports = ray.get([w.memory_report.remote() for w in workers.values()])
+    return sum(n for rep in reports for model in rep.values() for n in model["released"].values())
+
+
 def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], run_dir: Path,
-                  resumed: DataCheckpoint | None) -> dict:
+                  resumed: DataCheckpoint | None, startup_seconds: float = 0.0) -> dict:
     rt = cfg.runtime
     store = DataCheckpointStore(run.data_checkpoint_path)
     first = resumed.episode + 1 if resumed is not None else 0
@@ -98,6 +108,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         # ChatLearn 1.0.3's enable_eval_before_training: the baseline the eval curve starts from
         initial_eval = evaluate(run, -1, trained={"iteration": 0})["metrics"]["eval_reward_mean"]
         print(f"eval before training: eval_reward_mean={initial_eval:.4g}")
+    released_before = _released_bytes(groups)
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
@@ -107,6 +118,12 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             if initial_eval is not None and episode == 0:
                 metrics["eval_reward_mean_before_training"] = initial_eval
             metrics["episode_seconds"] = time.perf_counter() - t0
+            if episode == first:
+                metrics["startup_seconds"] = startup_seconds
+            released = _released_bytes(groups)
+            if released:
+                metrics["handover_mb"] = (released - released_before) / 2**20
+                released_before = released
             metrics["peak_memory_mb"] = max(ray.get([a.peak_memory.remote() for g in groups.values()
                                                      for a in g.actors]))
             reporter.record(metrics)

@@ -26,7 +26,7 @@ ARGS = [
     "runtime.eval_episode_interval=2", "runtime.max_relay_episode=2",
     "runtime.relay_sample_fn=chatlearn.data.relay:concat_all",
 ]
-TIMING = ("episode_seconds", "stage_seconds", "peak_memory_mb")
+TIMING = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds")
 
 
 def train(out, exp, tiny_model_dir, crash=None):

@@ -31,7 +31,8 @@ def rows(tmp_path):
     out = []
     for line in (tmp_path / "opts" / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out.append({k: v for k, v in r.items() if k not in ("episode_seconds", "stage_seconds", "peak_memory_mb")})
+        timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds")
+        out.append({k: v for k, v in r.items() if k not in timing})
     return out
 
 

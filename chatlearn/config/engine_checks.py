@@ -6,8 +6,11 @@ They run when an engine is built (``chatlearn train``, ``chatlearn eval``, ``eng
 problem. Plain ``chatlearn config`` does not run them: it resolves any config ChatLearn's loader accepts.
 """
 
+import contextlib
+import os
+import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +52,10 @@ class EngineChecks:
         return f"engine:{engine_name(cfg, self.engine)}:{given}"
 
     def __call__(self, cfg: ChatLearnConfig) -> list[str]:
+        with _py_modules_importable(cfg):
+            return self._problems(cfg)
+
+    def _problems(self, cfg: ChatLearnConfig) -> list[str]:
         name = engine_name(cfg, self.engine)
         spec = ENGINES.get(name)
         if spec is None:
@@ -63,6 +70,21 @@ class EngineChecks:
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
         return problems
+
+
+@contextlib.contextmanager
+def _py_modules_importable(cfg: ChatLearnConfig) -> Iterator[None]:
+    """While checking, what ``runtime_env.py_modules`` ships to the Ray workers is importable here too, so a
+    hook or module that only the workers get (a package directory, or a .py file) is checked, not refused."""
+    extra = [os.path.dirname(os.path.abspath(p)) for p in cfg.runtime_env.py_modules or [] if os.path.exists(p)]
+    extra = [p for p in dict.fromkeys(extra) if p not in sys.path]
+    sys.path[:0] = extra
+    try:
+        yield
+    finally:
+        for p in extra:
+            if p in sys.path:
+                sys.path.remove(p)
 
 
 def _roles(name: str, spec: EngineSpec, cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> list[str]:

@@ -5,6 +5,7 @@ task: an actor created inside a task dies with it) and killed on the way out, fa
 """
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -34,10 +35,14 @@ ALWAYS_EXCLUDED = [".venv", ".git", "output"]
 
 
 def ray_runtime_env(cfg: ChatLearnConfig) -> dict[str, Any] | None:
-    """`runtime_env` as Ray's runtime env: pip, py_modules, and the working_dir when it is not the current
-    directory (a local run already works there; a cluster then gets the files it needs)."""
+    """`runtime_env` as Ray's runtime env, as ChatLearn builds it: pip, py_modules, excludes, the driver's
+    PYTHONPATH, and the working_dir when it is not the current directory. (ChatLearn always uploads it; the
+    current directory is left out here because relative paths such as ``./output`` would then resolve inside
+    the uploaded copy on the workers, while the driver writes to the real one.)"""
     env = cfg.runtime_env
     out: dict[str, Any] = {}
+    if os.environ.get("PYTHONPATH"):  # as ChatLearn: workers on every node see the driver's PYTHONPATH
+        out["env_vars"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
     if env.pip:
         out["pip"] = list(env.pip)
     if env.py_modules:
@@ -99,6 +104,18 @@ def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, pre
     )
 
 
+def write_placement(run_dir: str, workers: Workers, node_ids: list[str], infos: dict[str, list[dict]]) -> None:
+    """``run_dir/placement.json``: the plan, and where each rank really runs (Ray node id, GPU ids, pid)."""
+    ranks = {}
+    for name, reps in workers.plan.models.items():
+        it = iter(infos[name])
+        ranks[name] = [[{"node_id": (i := next(it))["node"], "gpu_ids": [int(g) for g in i["gpu_ids"]],
+                         "pid": i["pid"], "setup_seconds": round(i["setup_seconds"], 3)} for _ in rep] for rep in reps]
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "placement.json"), "w") as f:
+        json.dump({"plan": workers.plan.to_json(), "nodes": node_ids, "ranks": ranks}, f, indent=1)
+
+
 @contextlib.contextmanager
 def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
            data_checkpoint_path: str = "") -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
@@ -129,7 +146,8 @@ def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
         workers = start_workers(plan, node_ids, cfg, eng.modules, namespace, prefix)
         stream = ray.remote(StreamDataset).options(name=prefix + "stream-dataset", namespace=namespace,
                                                    num_cpus=0, max_restarts=0).remote(rt)
-        setup_models(workers, rt.concurrent_setup)
+        infos = setup_models(workers, rt.concurrent_setup)
+        write_placement(rt.run_dir, workers, node_ids, infos)
         logger.info("started %d worker processes for %d models in %.1fs", len(workers.actors), len(names),
                     time.perf_counter() - t0)
 

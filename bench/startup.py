@@ -1,0 +1,76 @@
+"""Start-up to the first episode: the embedded default colocated (one worker process for six models) against
+one process per model, and ``concurrent_setup`` on and off, measured side by side in one run.
+
+Each variant runs the real `chatlearn train` for one episode (no eval); rounds interleave the variants so
+machine noise hits them alike. ``startup_seconds`` is the train flow's own measure (config → Ray → workers →
+model setup → first sync); ``wall`` adds interpreter, Prefect server and shutdown. Medians over the rounds.
+Prints a table and writes ``bench/results/startup.json``.
+
+    .venv/bin/python bench/startup.py [rounds]
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ONE_EPISODE = ["runtime.num_episode=1", "runtime.eval_episode_interval=0", "runtime.enable_eval_before_training=false"]
+VARIANTS = {
+    "colocated (default)": [],
+    "one process per model, concurrent setup": ["runtime.colocation=[]"],
+    "one process per model, setup one by one": ["runtime.colocation=[]", "runtime.concurrent_setup=false"],
+}
+
+
+def run(name: str, overrides: list[str], out: Path) -> dict:
+    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(out / "prefect"))
+    env.pop("PREFECT_API_URL", None)
+    exp = name.split()[0].replace(",", "")
+    cmd = [str(REPO / ".venv" / "bin" / "chatlearn"), "train", f"runtime.output_dir={out}",
+           f"runtime.exp_name={exp}", *ONE_EPISODE, *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{name}: chatlearn train failed with {proc.returncode}")
+    row = json.loads((out / exp / "metrics.jsonl").read_text().splitlines()[0])
+    placement = json.loads((out / exp / "placement.json").read_text())
+    setups = [r["setup_seconds"] for reps in placement["ranks"].values() for rep in reps for r in rep]
+    return {"startup_seconds": row["startup_seconds"], "wall_seconds": wall,
+            "first_episode_seconds": row["episode_seconds"], "reward_mean": row["reward_mean"],
+            "processes": len({r["pid"] for reps in placement["ranks"].values() for rep in reps for r in rep}),
+            "model_setup_seconds_sum": sum(setups)}
+
+
+def main(rounds: int) -> dict:
+    samples: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    for i in range(rounds):
+        for name, overrides in VARIANTS.items():
+            out = Path(tempfile.mkdtemp(prefix="bench-startup-"))
+            samples[name].append(run(name, overrides, out))
+            print(f"round {i + 1}: {name}: {samples[name][-1]['startup_seconds']:.1f}s", file=sys.stderr)
+    result = {}
+    for name, runs in samples.items():
+        result[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        result[name]["rounds"] = len(runs)
+    base = result["one process per model, concurrent setup"]["startup_seconds"]
+    print(f"{'variant':44s} {'processes':>9s} {'startup s':>9s} {'vs 6 procs':>10s} {'wall s':>7s} "
+          f"{'1st episode s':>13s} {'reward':>7s}")
+    for name, r in result.items():
+        print(f"{name:44s} {r['processes']:9.0f} {r['startup_seconds']:9.1f} {r['startup_seconds'] / base:10.2f} "
+              f"{r['wall_seconds']:7.1f} {r['first_episode_seconds']:13.1f} {r['reward_mean']:7.4f}")
+    path = REPO / "bench" / "results" / "startup.json"
+    path.write_text(json.dumps({"rounds": rounds, "variants": result,
+                                "machine": f"{os.cpu_count()} CPUs"}, indent=1))
+    print(f"wrote {path.relative_to(REPO)}")
+    return result
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)

@@ -1,0 +1,138 @@
+"""Whole `chatlearn train` runs on real placements: fake GPUs on one node, a real 2-node Ray cluster, and
+colocated models handing memory over with every offload flag on.
+
+* One node declares 4 GPUs (``CHATLEARN_FAKE_GPUS=4``, the math stays on the CPU): the inference models are
+  colocated on 3 of them, the two trainers share the 4th, and the CPU-only reward runs two replicas. Every rank
+  must run on the device ids the plan gave. The reward function comes from a package that only
+  ``runtime_env.py_modules`` ships to the workers.
+* The same config on two raylets of one machine (3 + 1 GPUs, joined through ``RAY_ADDRESS``): the colocation
+  group lands on node 0, the trainers on node 1, SPREAD puts one reward replica on each node, and the rows and
+  the final policy equal the one-node run's.
+* The embedded default (six colocated CPU models in one process) with ``free_memory`` on every model ends
+  bit-identical to the same run with it off, and the run reports the memory handed over.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["runtime.num_episode=2", "runtime.sample_per_episode=48", "runtime.generation_batch_size=16",
+         "runtime.train_micro_batch_size=16", "runtime.train_global_batch_size=48", "runtime.eval_episode_interval=0",
+         "runtime.enable_eval_before_training=false"]
+GPU_LAYOUT = ["runtime.colocation=['policy,reference,value', 'ppo_policy,ppo_value']", "runtime.concurrent_setup=false",
+              "models.policy.num_gpu=3", "models.value.num_gpu=2", "models.reference.num_gpu=1",
+              "models.ppo_policy.num_gpu=1", "models.ppo_value.num_gpu=1",
+              "models.reward.num_cpu=2", "runtime.cpu_schedule_strategy=SPREAD"]
+TIMING = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths")
+
+
+def train(out: Path, exp: str, tiny_model_dir: str, *args: str, env: dict | None = None):
+    from prefect.settings import PREFECT_API_URL
+
+    full_env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+                    PREFECT_API_URL=PREFECT_API_URL.value(), **(env or {}))
+    if "RAY_ADDRESS" not in (env or {}):
+        full_env.pop("RAY_ADDRESS", None)
+    res = subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *SMALL, *args, f"runtime.exp_name={exp}"],
+                         cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out / exp
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_policy(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final" / "policy" / "model.safetensors"))
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def shipped_reward(tmp_path_factory) -> list[str]:
+    """A reward package the driver's sys.path does not have: only py_modules brings it to the workers."""
+    root = tmp_path_factory.mktemp("shipped")
+    pkg = root / "shipped_reward"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from chatlearn.tasks.max_digit import max_digit_reward\n\n\n"
+                                     "def reward(sample):\n"
+                                     "    return max_digit_reward(sample)\n")
+    assert str(root) not in sys.path
+    return [f"runtime_env.py_modules=['{pkg}']", "models.reward.args_dict.reward_fn=shipped_reward:reward"]
+
+
+@pytest.fixture(scope="module")
+def one_node_run(prefect_api, tiny_model_dir, tmp_path_factory, shipped_reward) -> Path:
+    return train(tmp_path_factory.mktemp("fake-gpus"), "fake4", tiny_model_dir, *GPU_LAYOUT, *shipped_reward,
+                 env={"CHATLEARN_FAKE_GPUS": "4"})
+
+
+def test_fake_gpu_run_uses_the_planned_devices(one_node_run):
+    placement = json.loads((one_node_run / "placement.json").read_text())
+    plan, ranks = placement["plan"]["models"], placement["ranks"]
+    for name in ("policy", "reference", "value", "ppo_policy", "ppo_value"):
+        planned = [[r["device"]] for rep in plan[name]["replicas"] for r in rep]
+        assert [r["gpu_ids"] for rep in ranks[name] for r in rep] == planned, name
+    # device 0: policy r0 + value r0, device 1: policy r1 + value r1, device 2: policy r2 + reference,
+    # device 3: both trainers; one process per device
+    assert [rep[0]["device"] for rep in plan["policy"]["replicas"]] == [0, 1, 2]
+    assert [rep[0]["device"] for rep in plan["value"]["replicas"]] == [0, 1]
+    assert plan["reference"]["replicas"][0][0]["device"] == 2
+    assert plan["ppo_policy"]["replicas"][0][0] == plan["ppo_value"]["replicas"][0][0] == {
+        "node": 0, "device": 3, "share": 0.5, "process": 3}
+    pids = {name: [r["pid"] for rep in ranks[name] for r in rep] for name in ranks}
+    assert pids["policy"][:2] == pids["value"] and pids["policy"][2] == pids["reference"][0]
+    assert pids["ppo_policy"] == pids["ppo_value"]
+    assert plan["reward"]["num_replica"] == 2 and plan["reward"]["replicas"][0][0]["device"] is None
+    got = rows(one_node_run)
+    assert [r["episode"] for r in got] == [0, 1] and all(0.0 <= r["reward_mean"] <= 1.0 for r in got)
+
+
+def test_two_node_cluster_run_matches_one_node(one_node_run, prefect_api, tiny_model_dir, tmp_path, shipped_reward):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3, resources={"head": 1}))
+    try:
+        cluster.add_node(num_cpus=4, num_gpus=1, resources={"second": 1})
+        cluster.wait_for_nodes()
+        run_dir = train(tmp_path, "two-nodes", tiny_model_dir, *GPU_LAYOUT, *shipped_reward,
+                        env={"RAY_ADDRESS": cluster.address, "CHATLEARN_FAKE_GPUS": "4"})
+    finally:
+        cluster.shutdown()
+    placement = json.loads((run_dir / "placement.json").read_text())
+    head, second = placement["nodes"]
+    on = {name: {r["node_id"] for rep in reps for r in rep} for name, reps in placement["ranks"].items()}
+    assert on["policy"] == on["reference"] == on["value"] == {head}
+    assert on["ppo_policy"] == on["ppo_value"] == {second}
+    assert on["reward"] == {head, second}  # SPREAD: one replica per node
+    assert rows(run_dir) == rows(one_node_run)
+    assert_same_weights(final_policy(run_dir), final_policy(one_node_run))
+
+
+def test_every_offload_flag_on_ends_bit_identical(prefect_api, tiny_model_dir, tmp_path):
+    names = ["policy", "reference", "reward", "value", "ppo_policy", "ppo_value"]
+    off = train(tmp_path, "flags-off", tiny_model_dir)
+    on = train(tmp_path, "flags-on", tiny_model_dir, "runtime.bucket_size_mb_in_memory_manager=1",
+               *[f"models.{n}.free_memory=true" for n in names])
+    assert_same_weights(final_policy(on), final_policy(off))
+    on_rows, off_rows = rows(on), rows(off)
+    handed = [r.pop("handover_mb") for r in on_rows]
+    assert on_rows == off_rows
+    # every episode moves the trainers' weights, optimizer states and grads out while the others run
+    assert all(mb > 5 for mb in handed), handed
+    assert all("handover_mb" not in r for r in off_rows)
