@@ -96,6 +96,8 @@ class Worker:
         """Call ``method`` of model ``name``'s host, handing the process's memory to it first."""
         if method.startswith("_"):
             raise AttributeError(f"refusing to call private method {method!r}")
+        if method == "setup":  # the worker's own: it also sets up the model's memory manager
+            return self.setup(name)
         if method not in _NO_HANDOVER:
             self._hand_over([name], _NEEDS.get(method, ("weights",)))
         return getattr(self.slots[name], method)(*args, **kwargs)
