@@ -8,28 +8,18 @@ noisy: the table reports medians over episodes 2..N (episode 1 includes Ray task
 """
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, run_train  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 
 def main(overrides: list[str]) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench-default-"))
-    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(out / "prefect"))
-    env.pop("PREFECT_API_URL", None)
-    cmd = [str(REPO / ".venv" / "bin" / "chatlearn"), "train", f"runtime.output_dir={out}", *overrides]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"chatlearn train failed with {proc.returncode}")
+    wall = run_train(out, overrides)
     rows = [json.loads(line) for line in (out / "default" / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] or rows
     stages = sorted({k for r in rows for k in r["stage_seconds"]})

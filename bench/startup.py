@@ -12,13 +12,13 @@ Prints a table and writes ``bench/results/startup.json``.
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, run_train  # noqa: E402  (bench/ is a folder of scripts, not a package)
+
 ONE_EPISODE = ["runtime.num_episode=1", "runtime.eval_episode_interval=0", "runtime.enable_eval_before_training=false"]
 VARIANTS = {
     "colocated (default)": [],
@@ -28,17 +28,8 @@ VARIANTS = {
 
 
 def run(name: str, overrides: list[str], out: Path) -> dict:
-    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(out / "prefect"))
-    env.pop("PREFECT_API_URL", None)
     exp = name.split()[0].replace(",", "")
-    cmd = [str(REPO / ".venv" / "bin" / "chatlearn"), "train", f"runtime.output_dir={out}",
-           f"runtime.exp_name={exp}", *ONE_EPISODE, *overrides]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"{name}: chatlearn train failed with {proc.returncode}")
+    wall = run_train(out, [f"runtime.exp_name={exp}", *ONE_EPISODE, *overrides], name)
     row = json.loads((out / exp / "metrics.jsonl").read_text().splitlines()[0])
     placement = json.loads((out / exp / "placement.json").read_text())
     setups = [r["setup_seconds"] for reps in placement["ranks"].values() for rep in reps for r in rep]
