@@ -33,6 +33,7 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/default_run.py
+	$(BIN)/python bench/startup.py
 
 clean:
 	rm -rf output .pytest_cache

@@ -1,5 +1,6 @@
 """Start-up to the first episode: the embedded default colocated (one worker process for six models) against
-one process per model, and ``concurrent_setup`` on and off, measured side by side in one run.
+one process of one core per model (the layout before colocation), and ``concurrent_setup`` on and off there,
+measured side by side in one run.
 
 Each variant runs the real `chatlearn train` for one episode (no eval); rounds interleave the variants so
 machine noise hits them alike. ``startup_seconds`` is the train flow's own measure (config → Ray → workers →
@@ -20,10 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, run_train  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 ONE_EPISODE = ["runtime.num_episode=1", "runtime.eval_episode_interval=0", "runtime.enable_eval_before_training=false"]
+# the layout before colocation: six processes of one core each
+SEPARATE = ["runtime.colocation=[]", *[f"models.{m}.{k}=1" for m in ("policy", "reference", "reward", "value",
+                                                                  "ppo_policy", "ppo_value")
+                                       for k in ("num_cpu", "cpu_per_process")]]
 VARIANTS = {
     "colocated (default)": [],
-    "one process per model, concurrent setup": ["runtime.colocation=[]"],
-    "one process per model, setup one by one": ["runtime.colocation=[]", "runtime.concurrent_setup=false"],
+    "one process per model, concurrent setup": SEPARATE,
+    "one process per model, setup one by one": [*SEPARATE, "runtime.concurrent_setup=false"],
 }
 
 

@@ -32,7 +32,7 @@ SMALL = ["runtime.num_episode=2", "runtime.sample_per_episode=48", "runtime.gene
 GPU_LAYOUT = ["runtime.colocation=['policy,reference,value', 'ppo_policy,ppo_value']", "runtime.concurrent_setup=false",
               "models.policy.num_gpu=3", "models.value.num_gpu=2", "models.reference.num_gpu=1",
               "models.ppo_policy.num_gpu=1", "models.ppo_value.num_gpu=1",
-              "models.reward.num_cpu=2", "runtime.cpu_schedule_strategy=SPREAD"]
+              "models.reward.num_cpu=2", "models.reward.cpu_per_process=1", "runtime.cpu_schedule_strategy=SPREAD"]
 TIMING = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths")
 
 
