@@ -74,7 +74,8 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
 
 def _show_placement(run: RunHandle) -> None:
     """The realised placement: a table on the terminal and a Prefect artifact (one row per worker process)."""
-    sys.stderr.write(f"placement ({len(run.placement)} worker processes):\n{table_text(run.placement)}\n")
+    n = len(run.placement)
+    sys.stderr.write(f"placement ({n} worker process{'es' if n != 1 else ''}):\n{table_text(run.placement)}\n")
     create_table_artifact(key=artifact_key(run.exp_name, "placement"), table=run.placement,
                           description=f"where each model rank of {run.exp_name} runs")
 

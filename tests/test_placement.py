@@ -46,6 +46,9 @@ def test_colocated_group_shares_devices_and_processes():
     # the trainer is one replica of four ranks on the next four devices, alone on each
     assert _ranks(plan, "ppo_policy") == [[(0, 4 + k, 1.0, 4 + k) for k in range(4)]]
     assert plan.processes[0].members == [("policy", 0, 0), ("reference", 0, 0)]
+    assert plan.rows()[0] == {"process": 0, "node": 0, "devices": "0", "cpus": 0.0,
+                              "models": "policy replica 0, reference replica 0"}
+    assert plan.rows()[4]["models"] == "ppo_policy replica 0 rank 0"
     assert (plan.devices_required, plan.devices_available, plan.warnings) == (8, 8, [])
     assert plan.colocated["policy"] == ["reference", "reward"] and plan.colocated["ppo_policy"] == []
     out = plan.to_json()

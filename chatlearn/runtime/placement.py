@@ -136,9 +136,10 @@ class PlacementPlan:
         """One row per worker process, for the start-of-run table and the Prefect artifact."""
         rows = []
         for p in self.processes:
-            hosted = ", ".join(f"{m} r{r}.{k}" for m, r, k in p.members)
+            hosted = ", ".join(f"{m} replica {r}" + (f" rank {k}" if len(self.models[m][r]) > 1 else "")
+                               for m, r, k in p.members)
             rows.append({"process": p.id, "node": p.node,
-                         "devices": ",".join(map(str, p.devices)) or "-",
+                         "devices": ",".join(map(str, p.devices)) or "cpu",
                          "cpus": p.cpus, "models": hosted})
         return rows
 
