@@ -10,19 +10,22 @@ The commands import torch, Ray and Prefect only when they run, so `chatlearn con
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from chatlearn.config import ChatLearnConfig, ConfigError, ConfigWarning, EngineChecks, load_config
 from chatlearn.config.engine_checks import engine_name
 from chatlearn.config.engines import ENGINES
 from chatlearn.data.prompts import DataError
+from chatlearn.runtime.dlc import DLCNode, dlc_head, dlc_node, serve_as_worker
 from chatlearn.runtime.placement import PlacementError, plan_placement, uniform_cluster
+from chatlearn.utils.devices import fake_gpus
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -60,6 +63,19 @@ def cmd_plan(items: list[str], nodes: int, gpus_per_node: int, cpus_per_node: fl
     return 0
 
 
+@contextlib.contextmanager
+def _dlc_head(node: DLCNode | None) -> Iterator[None]:
+    """Rank 0 of a DLC job: the Ray head runs for the command's lifetime and the run joins it."""
+    if node is None:
+        yield
+        return
+    with dlc_head(node, fake_gpus() or None) as address:
+        os.environ.update(RAY_ADDRESS=address, CHATLEARN_NODE_IP_ADDRESS=node.address,
+                          CHATLEARN_WAIT_FOR_NODES=str(node.nodes))
+        _announce(f"DLC: Ray head at {address} (rank 0 of the job)")
+        yield
+
+
 def _announce(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -84,7 +100,10 @@ def cmd_train(items: list[str]) -> int:
 
     cfg = _load(items)
     engine = build_engine(cfg)
-    with local_prefect_api(announce=_announce):
+    node = dlc_node(cfg.runtime_env.platform)
+    if node is not None and node.rank > 0:  # a DLC worker node: serve Ray until the head is gone
+        return serve_as_worker(node, fake_gpus() or None)
+    with _dlc_head(node), local_prefect_api(announce=_announce):
         result = engine.learn(cfg)
     print(f"run directory: {cfg.runtime.run_dir}", file=sys.stderr)
     if result.get("final_policy"):

@@ -66,7 +66,10 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
                                   runtime_env=ray_runtime_env(cfg))
     address = os.environ.get("RAY_ADDRESS")
     if address:
+        if os.environ.get("CHATLEARN_NODE_IP_ADDRESS"):  # this machine's address in the cluster (DLC sets it)
+            common["_node_ip_address"] = os.environ["CHATLEARN_NODE_IP_ADDRESS"]
         ray.init(address=address, **common)
+        _wait_for_nodes(int(os.environ.get("CHATLEARN_WAIT_FOR_NODES", "0") or 0))
         return True
     # Logical CPUs: what the workers ask for, plus room for the dispatch tasks' worker processes. Ray keeps
     # at most `num_cpus` idle workers; fewer would make it kill and re-spawn them (seconds of imports) often.
@@ -75,6 +78,16 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     cpus = max(os.cpu_count() or 1, int(need + 0.999) + 4)
     ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
     return True
+
+
+def _wait_for_nodes(count: int, timeout_s: float = 300.0) -> None:
+    """Wait until the cluster has ``count`` live nodes (a DLC job's WORLD_SIZE), so the placement sees them."""
+    deadline = time.monotonic() + timeout_s
+    while count > 1 and sum(1 for n in ray.nodes() if n.get("Alive")) < count:
+        if time.monotonic() > deadline:
+            alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+            raise RuntimeError(f"the Ray cluster has {alive} of the job's {count} nodes after {timeout_s:.0f}s")
+        time.sleep(1.0)
 
 
 def build_local_model_files(cfg: ChatLearnConfig, modules: dict[str, BaseModule]) -> None:
