@@ -71,7 +71,8 @@ def test_a_mock_dlc_job_of_two_nodes_trains(prefect_api, tiny_model_dir, tmp_pat
         _, worker_err = worker.communicate(timeout=120)  # it exits once the head is gone
     finally:
         if worker.poll() is None:
-            worker.kill()
+            worker.terminate()  # it stops its Ray node on the way out
+            worker.wait(timeout=60)
     assert worker.returncode == 0, worker_err[-3000:]
     assert "joined the Ray head" in worker_err and "the head is gone, exiting" in worker_err
     placement = json.loads((tmp_path / "dlc" / "placement.json").read_text())

@@ -13,8 +13,10 @@ stopping them stops exactly this job's Ray node (never other Ray instances on th
 """
 
 import contextlib
+import ctypes
 import ipaddress
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -104,6 +106,18 @@ def _reachable(host: str, port: int) -> bool:
     return False
 
 
+def _die_with_parent() -> None:
+    """In the child: ask Linux for a SIGTERM when the chatlearn process dies, even by SIGKILL, so its Ray node
+    does not outlive the job's command (best effort: some sandboxes, e.g. gVisor, do not deliver it)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _popen(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()  # `ray start --block` stops the processes it started
@@ -117,7 +131,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def dlc_head(node: DLCNode, gpus: int | None = None, timeout_s: float = 120.0) -> Iterator[str]:
     """Rank 0: start the Ray head, yield its address for ``RAY_ADDRESS``, stop it on the way out (the other
     ranks see it gone and exit). The run waits for the job's ``WORLD_SIZE`` nodes before placing models."""
-    proc = subprocess.Popen(_ray_start(node, gpus), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = _popen(_ray_start(node, gpus))
     try:
         deadline = time.monotonic() + timeout_s
         while not _reachable(node.master, node.port):
@@ -141,7 +155,9 @@ def serve_as_worker(node: DLCNode, gpus: int | None = None, wait_for_head_s: flo
                   file=sys.stderr)
             return 1
         time.sleep(poll_s)
-    proc = subprocess.Popen(_ray_start(node, gpus), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = _popen(_ray_start(node, gpus))
+    # a SIGTERM (the job being stopped) runs the cleanup below instead of leaving the Ray node behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"chatlearn: DLC rank {node.rank}: joined the Ray head at {node.head_address}", file=sys.stderr)
     try:
         misses = 0
