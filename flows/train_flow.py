@@ -68,7 +68,7 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
             lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
             load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
         startup = time.perf_counter() - t_start
-        sys.stderr.write(f"ready to train in {startup:.1f}s (actors, model setup, first sync)\n")
+        sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
         return _run_episodes(cfg, run, groups, run_dir, resumed, startup)
 
 
