@@ -35,8 +35,9 @@ def ray_session():
     import ray
 
     # fake GPUs are fine for scheduling checks; no test puts tensors on them
-    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, namespace="chatlearn-tests", log_to_driver=False,
-             configure_logging=False)
+    # address="local": never the leftover address of a `ray start` cluster (tests/test_dlc.py starts one)
+    ray.init(address="local", num_cpus=8, num_gpus=2, include_dashboard=False, namespace="chatlearn-tests",
+             log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
 

@@ -76,7 +76,9 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     gpus = fake_gpus() or None
     need = plan_placement(cfg, names, [NodeSpec(gpus or 10**6, None)]).cpus_required
     cpus = max(os.cpu_count() or 1, int(need + 0.999) + 4)
-    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
+    # address="local": a new local Ray even when a `ray start` cluster (or its leftover address file) is on
+    # this machine; joining one is what RAY_ADDRESS is for
+    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
     return True
 
 
