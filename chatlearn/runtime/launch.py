@@ -85,9 +85,11 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
 def _wait_for_nodes(count: int, timeout_s: float = 300.0) -> None:
     """Wait until the cluster has ``count`` live nodes (a DLC job's WORLD_SIZE), so the placement sees them."""
     deadline = time.monotonic() + timeout_s
-    while count > 1 and sum(1 for n in ray.nodes() if n.get("Alive")) < count:
+    while count > 1:
+        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+        if alive >= count:
+            return
         if time.monotonic() > deadline:
-            alive = sum(1 for n in ray.nodes() if n.get("Alive"))
             raise RuntimeError(f"the Ray cluster has {alive} of the job's {count} nodes after {timeout_s:.0f}s")
         time.sleep(1.0)
 
@@ -121,11 +123,14 @@ def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, pre
 
 def write_placement(run_dir: str, workers: Workers, node_ids: list[str], infos: dict[str, list[dict]]) -> None:
     """``run_dir/placement.json``: the plan, and where each rank really runs (Ray node id, GPU ids, pid)."""
+    def record(info: dict) -> dict:
+        return {"node_id": info["node"], "gpu_ids": [int(g) for g in info["gpu_ids"]], "pid": info["pid"],
+                "setup_seconds": round(info["setup_seconds"], 3)}
+
     ranks = {}
     for name, reps in workers.plan.models.items():
-        it = iter(infos[name])
-        ranks[name] = [[{"node_id": (i := next(it))["node"], "gpu_ids": [int(g) for g in i["gpu_ids"]],
-                         "pid": i["pid"], "setup_seconds": round(i["setup_seconds"], 3)} for _ in rep] for rep in reps]
+        flat = iter(infos[name])  # setup infos come rank by rank, replica after replica
+        ranks[name] = [[record(next(flat)) for _ in rep] for rep in reps]
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "placement.json"), "w") as f:
         json.dump({"plan": workers.plan.to_json(), "nodes": node_ids, "ranks": ranks}, f, indent=1)

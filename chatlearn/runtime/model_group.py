@@ -131,15 +131,15 @@ def _join_worlds(plan: PlacementPlan, workers: Workers) -> None:
     for unit in plan.units:
         if len(unit.processes) < 2:
             continue
-        rank_of = {pid: k for k, pid in enumerate(unit.processes)}
-        replica_ranks = {(m, i): tuple(rank_of[r.process] for r in rep) for m in unit.models
+        replica_ranks = {(m, i): tuple(plan.processes[r.process].unit_rank for r in rep) for m in unit.models
                          for i, rep in enumerate(plan.models[m]) if len(rep) > 1}
         groups = sorted(set(replica_ranks.values()))
         addr, port = ray.get(workers.actors[unit.processes[0]].free_port.remote())
-        for pid, k in rank_of.items():
-            mine = {m: groups.index(replica_ranks[(m, replica)]) for m, replica, _ in plan.processes[pid].members
+        for pid in unit.processes:
+            p = plan.processes[pid]
+            mine = {m: groups.index(replica_ranks[(m, replica)]) for m, replica, _ in p.members
                     if (m, replica) in replica_ranks}
-            calls.append(workers.actors[pid].init_distributed.remote(addr, port, len(unit.processes), k,
+            calls.append(workers.actors[pid].init_distributed.remote(addr, port, len(unit.processes), p.unit_rank,
                                                                      [list(g) for g in groups], mine))
     ray.get(calls)
 
@@ -150,10 +150,11 @@ def setup_models(workers: Workers, concurrent: bool) -> dict[str, list[dict[str,
     Returns each model's setup infos (node, GPU ids, seconds); a model whose ranks did not land on the devices
     the plan gave is an error, since everything after (sync pairs, shares) assumes the plan."""
     t0 = time.perf_counter()
-    calls = {name: [h.setup.remote() for h in g.actors] for name, g in workers.groups.items()} if concurrent else {}
-    infos: dict[str, list[dict[str, Any]]] = {}
-    for name, group in workers.groups.items():
-        infos[name] = ray.get(calls[name] if concurrent else [h.setup.remote() for h in group.actors])
+    if concurrent:  # every rank of every model starts before any result is awaited
+        calls = {name: [h.setup.remote() for h in g.actors] for name, g in workers.groups.items()}
+        infos = {name: ray.get(refs) for name, refs in calls.items()}
+    else:
+        infos = {name: ray.get([h.setup.remote() for h in g.actors]) for name, g in workers.groups.items()}
     logger.info("set up %d models (%s) in %.1fs", len(infos), "concurrently" if concurrent else "one by one",
                 time.perf_counter() - t0)
     for name, reps in workers.plan.models.items():

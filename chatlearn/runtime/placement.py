@@ -64,10 +64,14 @@ class RankPlacement:
     """One rank (process) of one replica of one model."""
 
     node: int
-    device: int | None  # first GPU of the process on its node; None for a CPU model
     share: float  # the model's share of each of its devices (0 for a CPU model)
     process: int  # worker process id; colocated models sharing a process have the same id
-    devices: tuple[int, ...] = ()
+    devices: tuple[int, ...] = ()  # the process's GPUs on its node; empty for a CPU model
+
+    @property
+    def device(self) -> int | None:
+        """The process's first GPU on its node; None for a CPU model."""
+        return self.devices[0] if self.devices else None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"node": self.node, "device": self.device, "share": round(self.share, 6),
@@ -239,7 +243,7 @@ def _units(cfg: ChatLearnConfig, names: Sequence[str]) -> list[list[str]]:
     return units
 
 
-def _problems_of_units(cfg: ChatLearnConfig, units: list[list[str]], shapes: Mapping[str, _Shape]) -> list[str]:
+def _problems_of_units(units: list[list[str]], shapes: Mapping[str, _Shape]) -> list[str]:
     problems = []
     for members in units:
         if len(members) < 2:
@@ -291,7 +295,7 @@ def plan_placement(cfg: ChatLearnConfig, names: Sequence[str], nodes: Sequence[N
     models = {n: cfg.models[n] for n in names}
     shapes = {n: _shape(m) for n, m in models.items()}
     units = _units(cfg, names)
-    problems = _problems_of_units(cfg, units, shapes)
+    problems = _problems_of_units(units, shapes)
     if problems:
         raise PlacementError("placement: " + "\n  ".join(["the config cannot be placed:", *problems]))
 
@@ -365,8 +369,7 @@ def plan_placement(cfg: ChatLearnConfig, names: Sequence[str], nodes: Sequence[N
                 sh = shapes[n]
                 replica, k = divmod(rank // step, sh.procs_per_replica)
                 share = 1.0 / len(on_slot[first]) if kind == "gpu" else 0.0
-                plan_models[n][replica][k] = RankPlacement(node, devices[0] if devices else None, share, proc.id,
-                                                           devices)
+                plan_models[n][replica][k] = RankPlacement(node, share, proc.id, devices)
                 proc.members.append((n, replica, k))
             processes.append(proc)
             unit.processes.append(proc.id)

@@ -29,8 +29,8 @@ from chatlearn.utils.devices import fake_gpus
 # What each call needs resident; anything else needs only the weights. Grads are made by backward.
 _NEEDS = {"train": ("weights", "optimizer"), "save_checkpoint": ("weights", "optimizer"),
           "load_checkpoint": ("weights", "optimizer")}
-# Calls that do not touch a model's tensors: no handover around them.
-_NO_HANDOVER = {"setup", "build_dataset", "ping", "peak_memory", "info"}
+# Calls that do not touch a model's tensors: no handover around them (setup is the worker's own, see run).
+_NO_HANDOVER = {"build_dataset", "ping", "peak_memory"}
 # Collective operations fail after this instead of hanging for gloo's default 30 minutes.
 DIST_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("CHATLEARN_DIST_TIMEOUT", "300")))
 
@@ -51,7 +51,7 @@ class Worker:
         self.bucket_mb = runtime_args.bucket_size_mb_in_memory_manager
         self.memory: dict[str, MemoryManager] = {}
         self.released: dict[str, dict[str, int]] = {name: dict.fromkeys(PARTS, 0) for name in self.slots}
-        self.world_rank, self.world_size = 0, 1
+        self.world_rank = 0
 
     # -- torch.distributed ----------------------------------------------------------------------------------
     def free_port(self) -> tuple[str, int]:
@@ -70,7 +70,7 @@ class Worker:
         backend = "nccl" if torch.cuda.is_available() and not fake_gpus() and ray.get_gpu_ids() else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", world_size=world_size, rank=rank,
                                 timeout=DIST_TIMEOUT)
-        self.world_rank, self.world_size = rank, world_size
+        self.world_rank = rank
         made = [dist.new_group(g, timeout=DIST_TIMEOUT) if len(g) < world_size else dist.group.WORLD
                 for g in groups]
         for name, index in mine.items():
