@@ -7,12 +7,16 @@ from chatlearn.config.current import get_config, init
 
 __version__ = "0.1.0"
 
-__all__ = ["BaseModule", "EvalEngine", "RLHFEngine", "TorchModule", "get_config", "init"]
+__all__ = ["BaseModule", "DPOEngine", "EvalEngine", "GRPOEngine", "OnlineDPOEngine", "RLHFEngine", "TorchModule",
+           "get_config", "init"]
 
 _LAZY = {
     "Engine": "chatlearn.runtime.engine",
     "RLHFEngine": "chatlearn.runtime.engine",
     "EvalEngine": "chatlearn.runtime.engine",
+    "GRPOEngine": "chatlearn.runtime.engine",
+    "DPOEngine": "chatlearn.runtime.engine",
+    "OnlineDPOEngine": "chatlearn.runtime.engine",
     "EpisodePlan": "chatlearn.runtime.plan",
     "BaseModule": "chatlearn.models",
     "TorchModule": "chatlearn.models",

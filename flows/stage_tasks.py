@@ -11,16 +11,20 @@ import time
 from typing import Any
 
 import ray
+import torch
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect_ray.context import remote_options
 
-from chatlearn.data.sampler import episode_prompt_batches, eval_prompt_batches
+from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
+from chatlearn.models.hf.reward import score_samples, text_samples
 from chatlearn.runtime.evaluation import eval_metrics, eval_results
-from chatlearn.runtime.handles import RefBox, RunHandle
+from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle
 from chatlearn.runtime.reporting import artifact_key
 from chatlearn.runtime.schedule import every
 from chatlearn.runtime.sync import copy_weights
+from chatlearn.utils.imports import import_callable
 
 
 @task(name="generate", cache_policy=NO_CACHE)
@@ -28,34 +32,58 @@ def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
     """The producer samples responses for this episode's prompts, batches dealt over its replicas."""
     t0 = time.perf_counter()
     heads = run.heads(run.plan.producer)
-    batches = episode_prompt_batches(run.dataset_size, consumed_samples, run.sample_per_episode,
-                                     run.generation_batch_size, len(heads), run.shuffle_seed)
+    batches = episode_generation_batches(run.dataset_size, consumed_samples, run.sample_per_episode,
+                                         run.generation_batch_size, len(heads), run.shuffle_seed, run.group_size)
     first_iteration = episode * len(batches)
-    outer, position = [], consumed_samples
-    for i, (r, idx) in enumerate(batches):
+    outer = []
+    for i, (r, idx, ids) in enumerate(batches):
         # stream positions identify samples: per-sample seeds make responses independent of the batching
-        outer.append(heads[r].generate.remote(idx, first_iteration + i,
-                                              sample_ids=list(range(position, position + len(idx)))))
-        position += len(idx)
+        outer.append(heads[r].generate.remote(idx, first_iteration + i, sample_ids=ids, group_size=run.group_size))
     refs = ray.get(outer)  # waits for generation; only the small refs owned by the actors come back
     return RefBox(refs, seconds=time.perf_counter() - t0, num_batches=len(batches),
-                  num_samples=sum(len(idx) for _, idx in batches), first_iteration=first_iteration)
+                  num_samples=sum(len(idx) for _, idx, _ in batches), first_iteration=first_iteration)
+
+
+@task(name="rule-reward", cache_policy=NO_CACHE)
+def rule_reward(batch: RefBox, rule: RuleSpec, model: str) -> list[float]:
+    """A rule reward on one batch, stateless: fetch the batch, call the function on each sample (each call
+    bounded by the rule's timeout), return the scores. Runs on Ray with the rule's CPUs, batches in parallel."""
+    data = ray.get(batch.refs[0])
+    samples = text_samples(data)
+    where = f"{model} reward_fn {rule.reward_fn}"
+    return score_samples(import_callable(rule.reward_fn), samples, rule.timeout_s, where)
+
+
+def fan_out_rule(run: RunHandle, model: str, batches: list[Any]) -> list[Any]:
+    """Submit one `rule-reward` task per batch (all in parallel); returns their futures, in batch order."""
+    rule = run.rule_rewards[model]
+    with remote_options(num_cpus=rule.num_cpus, max_retries=0):
+        return [rule_reward.submit(RefBox([b]), rule, model) for b in batches]
 
 
 @task(name="score", cache_policy=NO_CACHE)
 def score(run: RunHandle, rollouts: RefBox) -> RefBox:
-    """Scorers (reference, value) run on each rollout batch in parallel; the final model (reward) merges."""
+    """Scorers (reference, value) run on each rollout batch in parallel; the final model (reward) merges.
+
+    A rule reward is called in `rule-reward` tasks fanned out over the batches while the scorers run; its
+    actor then only turns the scores into the experience (advantages)."""
     t0 = time.perf_counter()
     plan = run.plan
     if not plan.final:
         raise ValueError("the episode plan has no final model to merge the rollouts and the scores into")
     scorer_heads = {name: run.heads(name) for name in plan.scorers}
     final_heads = run.heads(plan.final)
+    rules = fan_out_rule(run, plan.final, rollouts.refs) if plan.final in run.rule_rewards else None
+    parts = []
+    for i, g in enumerate(rollouts.refs):
+        it = rollouts.meta["first_iteration"] + i
+        parts.append([heads[i % len(heads)].forward.remote(g, iteration=it) for heads in scorer_heads.values()])
     outs = []
     for i, g in enumerate(rollouts.refs):
         it = rollouts.meta["first_iteration"] + i
-        parts = [heads[i % len(heads)].forward.remote(g, iteration=it) for heads in scorer_heads.values()]
-        outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts, iteration=it, keep_inputs=True))
+        extra = [{"scores": torch.tensor(rules[i].result(), dtype=torch.float32)}] if rules is not None else []
+        outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts[i], *extra, iteration=it,
+                                                                     keep_inputs=True))
     refs = ray.get(outs)
     return RefBox(refs, seconds=time.perf_counter() - t0)
 
@@ -65,7 +93,8 @@ def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int
     """The StreamDataset shapes the episode's samples (loader type, relay); every trainer trains on them."""
     t0 = time.perf_counter()
     samples_ref, metrics = ray.get(run.stream().episode_samples.remote(*experience.refs, episode=episode))
-    calls = {name: run.heads(name)[0].train.remote(samples_ref, episode=episode, start_iteration=start_iteration)
+    calls = {name: run.heads(name)[0].train.remote(samples_ref, episode=episode, start_iteration=start_iteration,
+                                                   group_size=run.group_size)
              for name in run.plan.trainers}
     results = dict(zip(calls, ray.get(list(calls.values())), strict=True))
     for res in results.values():
@@ -122,13 +151,21 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     heads = run.heads(plan.producer)
     scorer = run.heads(plan.evaluator) if plan.evaluator else []
     batches = eval_prompt_batches(run.eval_dataset_size, run.generation_batch_size, len(heads))
+    rule = plan.evaluator in run.rule_rewards
     outs = []
     for i, (r, idx) in enumerate(batches):
         g = heads[r].generate.remote(idx, i, is_eval=True)
-        if scorer:
+        if scorer and not rule:
             g = scorer[i % len(scorer)].forward.remote(g, is_eval=True, keep_inputs=True)
         outs.append(g)
-    results = eval_results(ray.get(ray.get(outs)))
+    gen_refs = ray.get(outs)
+    if rule:  # the rule reward's tasks score the eval batches, in parallel
+        scores = [f.result() for f in fan_out_rule(run, plan.evaluator, gen_refs)]
+        out_batches = [{**b, "scores": torch.tensor(s, dtype=torch.float32)}
+                       for b, s in zip(ray.get(gen_refs), scores, strict=True)]
+    else:
+        out_batches = ray.get(gen_refs)
+    results = eval_results(out_batches)
     context = {"episode_iteration": episode, "train_iteration": (trained or {}).get("iteration")}
     metrics = eval_metrics(results, context, run.eval_post_process_fn)
     examples = [{"prompt": r.get("prompt"), "response": r.get("response"), "score": r.get("scores")}

@@ -108,7 +108,7 @@ def test_sync_frequency_minus_one_is_fine_where_no_weights_arrive():
 
 def test_engine_models_and_data():
     problems, _ = check("runtime.engine=ppo")
-    assert problems == ["runtime.engine: unknown engine 'ppo'; known: ['eval', 'rlhf']"]
+    assert problems == ["runtime.engine: unknown engine 'ppo'; known: ['dpo', 'eval', 'grpo', 'online_dpo', 'rlhf']"]
     problems, _ = check("models.critic.num_cpu=1", "runtime.data_path=null")
     assert problems == [
         "models.critic: the rlhf engine does not use a model named 'critic' (it uses policy, reference, reward, "

@@ -1,8 +1,11 @@
 """RL algorithm math (pure tensor functions) and the registries the trainer resolves names through.
 
 Importing this package registers the built-in PPO pieces: advantage estimator
-``"gae"``, policy loss ``"ppo_clip"`` and value loss ``"ppo_clip"``.
+``"gae"``, policy loss ``"ppo_clip"`` and value loss ``"ppo_clip"``; and the GRPO family's
+policy losses ``"grpo"`` and ``"gspo"`` (:mod:`chatlearn.algorithms.grpo`).
 """
+
+import chatlearn.algorithms.grpo  # noqa: F401  (registers "grpo" and "gspo")
 
 # ppo.py imports the registry itself, so importing it here registers the built-ins.
 from chatlearn.algorithms.ppo import (

@@ -36,6 +36,7 @@ from chatlearn.algorithms.registry import register_policy_loss
 
 __all__ = [
     "group_advantages",
+    "group_advantages_by_id",
     "grpo_token_loss",
     "gspo_sequence_loss",
     "k3_kl",
@@ -105,6 +106,29 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-5) 
         constant = grouped.amax(dim=-1, keepdim=True) == grouped.amin(dim=-1, keepdim=True)
         adv = torch.where(constant, torch.zeros_like(adv), adv)
     return adv.reshape(-1)
+
+
+def group_advantages_by_id(rewards: torch.Tensor, group_ids: list[int], eps: float = 1e-5) -> torch.Tensor:
+    """:func:`group_advantages` for responses labelled by prompt group instead of laid out in order.
+
+    Every group must be whole and all groups the same size (a batch that cut a group would normalise it
+    against only part of its responses, silently): a ``ValueError`` names the group that is not.
+    """
+    if rewards.dim() != 1 or rewards.shape[0] != len(group_ids):
+        raise ValueError(f"rewards {tuple(rewards.shape)} and {len(group_ids)} group ids do not match")
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(int(g), []).append(i)
+    sizes = {len(m) for m in members.values()}
+    if len(sizes) != 1:
+        small = min(members, key=lambda g: len(members[g]))
+        raise ValueError(f"prompt groups of unequal size {sorted(sizes)} (group {small} has "
+                         f"{len(members[small])} responses): a batch must hold whole groups")
+    order = [i for m in members.values() for i in m]
+    adv_in_order = group_advantages(rewards[order], sizes.pop(), eps)
+    out = torch.empty_like(adv_in_order)
+    out[order] = adv_in_order
+    return out
 
 
 # --------------------------------------------------------------------------------------

@@ -16,13 +16,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from chatlearn.config.engines import DEFAULT_MODULES, ENGINES, EngineSpec
+from chatlearn.config.engines import ENGINES, EngineSpec, default_module
 from chatlearn.config.errors import ConfigWarning
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.config.support import unsupported_values
 from chatlearn.utils.imports import import_callable, import_object
 
-__all__ = ["EngineChecks", "engine_name", "module_class_path"]
+__all__ = ["EngineChecks", "engine_name", "group_size", "module_class_path"]
 
 
 def engine_name(cfg: ChatLearnConfig, engine: str | None = None) -> str:
@@ -30,10 +30,10 @@ def engine_name(cfg: ChatLearnConfig, engine: str | None = None) -> str:
     return engine or cfg.runtime.engine
 
 
-def module_class_path(name: str, cfg: ChatLearnConfig) -> str | None:
-    """``args_dict.module`` of a model, else the built-in module of its name (None if there is none)."""
+def module_class_path(name: str, cfg: ChatLearnConfig, engine: str | None = None) -> str | None:
+    """``args_dict.module`` of a model, else the engine's built-in module of its name (None if none)."""
     args = cfg.models[name].args_dict if name in cfg.models else {}
-    return args.get("module") or DEFAULT_MODULES.get(name)
+    return args.get("module") or default_module(engine_name(cfg, engine), name)
 
 
 @dataclass
@@ -63,9 +63,10 @@ class EngineChecks:
         roles = [r for r in spec.roles if r in cfg.models or r in self.modules]
         problems = _roles(name, spec, cfg, self.modules)
         problems += _data(name, spec, cfg)
-        problems += _module_args(cfg, roles, self.modules)
+        problems += _module_args(cfg, roles, self.modules, name)
         problems += _hooks(cfg)
-        problems += _layout(cfg, [r for r in roles if r in cfg.models], self.modules)
+        problems += _layout(cfg, [r for r in roles if r in cfg.models], self.modules, name)
+        problems += _groups(cfg, name, spec, self.modules)
         problems += _sync_frequency(cfg, spec)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
@@ -88,7 +89,7 @@ def _py_modules_importable(cfg: ChatLearnConfig) -> Iterator[None]:
 
 
 def _roles(name: str, spec: EngineSpec, cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> list[str]:
-    missing = [r for r in spec.roles if r not in cfg.models and r not in modules]
+    missing = [r for r in spec.roles if r not in cfg.models and r not in modules and r not in spec.optional]
     problems = []
     if missing:
         problems.append(f"models: the {name} engine needs models named {list(spec.roles)}; missing {missing}")
@@ -108,7 +109,7 @@ def _data(name: str, spec: EngineSpec, cfg: ChatLearnConfig) -> list[str]:
     return []
 
 
-def _module_args(cfg: ChatLearnConfig, roles: list[str], modules: Mapping[str, Any]) -> list[str]:
+def _module_args(cfg: ChatLearnConfig, roles: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
     """Each model's ``args_dict`` against its module's ``args_schema``, as dotted paths."""
     problems: list[str] = []
     for name in roles:
@@ -117,7 +118,7 @@ def _module_args(cfg: ChatLearnConfig, roles: list[str], modules: Mapping[str, A
         if name in modules:
             cls: Any = type(modules[name])
         else:
-            spec = module_class_path(name, cfg)
+            spec = module_class_path(name, cfg, engine)
             if spec is None:
                 problems.append(f"models.{name}.args_dict.module: no built-in module for a model named "
                                 f"{name!r}; set args_dict.module to 'package.module:Class'")
@@ -158,18 +159,18 @@ def _hooks(cfg: ChatLearnConfig) -> list[str]:
     return problems
 
 
-def _module_class(name: str, cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> Any:
+def _module_class(name: str, cfg: ChatLearnConfig, modules: Mapping[str, Any], engine: str | None = None) -> Any:
     """The module class a model runs (given in code, or named by the config); None if it does not import."""
     if name in modules:
         return type(modules[name])
-    spec = module_class_path(name, cfg)
+    spec = module_class_path(name, cfg, engine)
     try:
         return import_object(spec, "Class") if spec else None
     except ValueError:
         return None  # reported by _module_args
 
 
-def _layout(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any]) -> list[str]:
+def _layout(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
     """A replica of several processes needs a module that works with them (``multi_process = True``: it uses
     its ``process_group``); the built-in modules run a replica in one process, so they refuse it plainly
     instead of silently idling processes."""
@@ -179,7 +180,7 @@ def _layout(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any]) 
         if m.num_gpu == 0 and m.num_cpu == 0:
             continue  # reported by the config's own checks
         layout = m.layout
-        cls = _module_class(name, cfg, modules)
+        cls = _module_class(name, cfg, modules, engine)
         if layout.processes > 1 and cls is not None and not getattr(cls, "multi_process", False):
             unit, per = ("num_gpu", "gpu_per_process") if m.num_gpu else ("num_cpu", "cpu_per_process")
             problems.append(
@@ -210,4 +211,51 @@ def _sync_frequency(cfg: ChatLearnConfig, spec: EngineSpec) -> list[str]:
         if dst in cfg.models and cfg.models[dst].sync_frequency < 0:
             problems.append(f"models.{dst}.sync_frequency: must be >= 0 for a model that receives weights "
                             f"(0: never sync), got {cfg.models[dst].sync_frequency}")
+    return problems
+
+
+def group_size(cfg: ChatLearnConfig, producer: str = "policy") -> int:
+    """``num_inference_per_prompt`` of the producer (responses sampled per prompt; 1 when not set)."""
+    args = cfg.models[producer].args_dict if producer in cfg.models else {}
+    value = (args or {}).get("num_inference_per_prompt", 1)
+    return value if isinstance(value, int) and value >= 1 else 1
+
+
+def _groups(cfg: ChatLearnConfig, name: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
+    """Prompt groups must be whole wherever they are cut: per episode, per generation batch, and (online DPO,
+    whose pairs live inside a group) per training micro-batch. The GRPO KL term needs its reference."""
+    rt, problems = cfg.runtime, []
+    if "policy" not in cfg.models:
+        return problems
+    raw = (cfg.models["policy"].args_dict or {}).get("num_inference_per_prompt", 1)
+    if not isinstance(raw, int) or raw < 1:
+        return problems  # the policy's args_schema reports it
+    n, pre = raw, "models.policy.args_dict.num_inference_per_prompt"
+    if spec.groups and n < 2:
+        problems.append(f"{pre}: the {name} engine compares several responses to the same prompt; set it to 2 "
+                        f"or more (ChatLearn's GRPO examples use 8 to 32), got {n}")
+    if n > 1:
+        if rt.sample_per_episode % n:
+            problems.append(f"runtime.sample_per_episode: {rt.sample_per_episode} is not a multiple of {pre} "
+                            f"({n}); an episode must hold whole prompt groups")
+        gbs = cfg.models["policy"].generation_batch_size or rt.generation_batch_size
+        if gbs % n:
+            problems.append(f"runtime.generation_batch_size: {gbs} is not a multiple of {pre} ({n}); a generation "
+                            "batch must hold whole prompt groups")
+        if rt.consumed_samples % n:
+            problems.append(f"runtime.consumed_samples: {rt.consumed_samples} is not a multiple of {pre} ({n})")
+    if name == "online_dpo" and n > 1:
+        micro = rt.train_micro_batch_size
+        if micro % n or rt.sample_per_episode % micro:
+            problems.append(f"runtime.train_micro_batch_size: online DPO builds its pairs inside each prompt's "
+                            f"group, so a micro-batch must hold whole groups: it must be a multiple of {pre} ({n}) "
+                            f"and divide sample_per_episode ({rt.sample_per_episode}), got {micro}")
+        if rt.max_relay_episode != 0:
+            problems.append("runtime.max_relay_episode: relay is not supported with online DPO yet (a relay hook "
+                            "may break prompt groups)")
+    if name == "grpo" and "reference" not in cfg.models and "reference" not in modules and "ppo_policy" in cfg.models:
+        kl = (cfg.models["ppo_policy"].args_dict or {}).get("kl_coef", 0.0)
+        if isinstance(kl, int | float) and kl > 0:
+            problems.append(f"models.ppo_policy.args_dict.kl_coef: {kl} needs a reference model (models.reference);"
+                            " add one or set kl_coef to 0")
     return problems

@@ -6,7 +6,7 @@ roles into the episode's task graph (:mod:`chatlearn.runtime.plan`).
 
 from typing import NamedTuple
 
-__all__ = ["DEFAULT_MODULES", "ENGINES", "EngineSpec"]
+__all__ = ["DEFAULT_MODULES", "ENGINES", "EngineSpec", "default_module"]
 
 
 class EngineSpec(NamedTuple):
@@ -16,6 +16,9 @@ class EngineSpec(NamedTuple):
     sync: tuple[tuple[str, str], ...] = ()  # (trainer role, inference role)
     trains: bool = True  # False: evaluation only, other models of a training config are left alone
     needs_train_data: bool = True
+    optional: tuple[str, ...] = ()  # roles a config may leave out (the engine says when it needs them)
+    modules: tuple[tuple[str, str], ...] = ()  # built-in module per role where it differs from DEFAULT_MODULES
+    groups: bool = False  # samples num_inference_per_prompt responses per prompt, kept together as a group
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -23,6 +26,28 @@ ENGINES: dict[str, EngineSpec] = {
     "rlhf": EngineSpec(
         roles=("policy", "reference", "reward", "value", "ppo_policy", "ppo_value"),
         sync=(("ppo_policy", "policy"), ("ppo_value", "value")),
+    ),
+    # ChatLearn's GRPOEngine(policy, reference, reward, ppo_policy): no critic, group-normalised advantages;
+    # the reference is only needed for the KL term (ppo_policy's kl_coef > 0)
+    "grpo": EngineSpec(
+        roles=("policy", "reference", "reward", "ppo_policy"),
+        sync=(("ppo_policy", "policy"),),
+        optional=("reference",),
+        modules=(("ppo_policy", "chatlearn.models.hf.grpo_trainer:GRPOPolicyTrainer"),),
+        groups=True,
+    ),
+    # ChatLearn's DPOEngine(reference, ppo_policy): offline (prompt, chosen, rejected) pairs
+    "dpo": EngineSpec(
+        roles=("reference", "ppo_policy"),
+        modules=(("reference", "chatlearn.models.hf.dpo:PairReference"),
+                 ("ppo_policy", "chatlearn.models.hf.dpo:DPOPolicyTrainer")),
+    ),
+    # ChatLearn's OnlineDPOEngine(policy, reference, reward, ppo_policy): pairs from each prompt's group
+    "online_dpo": EngineSpec(
+        roles=("policy", "reference", "reward", "ppo_policy"),
+        sync=(("ppo_policy", "policy"),),
+        modules=(("ppo_policy", "chatlearn.models.hf.dpo:OnlineDPOPolicyTrainer"),),
+        groups=True,
     ),
     # ChatLearn's EvalEngine: the policy answers the eval set, the reward scores it
     "eval": EngineSpec(roles=("policy", "reward"), trains=False, needs_train_data=False),
@@ -37,3 +62,10 @@ DEFAULT_MODULES: dict[str, str] = {
     "ppo_policy": "chatlearn.models.hf.ppo_trainer:PPOPolicyTrainer",
     "ppo_value": "chatlearn.models.hf.ppo_trainer:PPOValueTrainer",
 }
+
+
+def default_module(engine: str, name: str) -> str | None:
+    """The built-in module of a model name under an engine (GRPO's ppo_policy is not PPO's)."""
+    spec = ENGINES.get(engine)
+    own = dict(spec.modules) if spec is not None else {}
+    return own.get(name) or DEFAULT_MODULES.get(name)

@@ -61,6 +61,30 @@ def episode_prompt_batches(
     return out
 
 
+def episode_generation_batches(
+    dataset_size: int, consumed_samples: int, sample_per_episode: int, batch_size: int, num_replica: int,
+    shuffle_seed: int | None = None, group_size: int = 1,
+) -> list[tuple[int, list[int], list[int]]]:
+    """(replica, dataset indices, sample ids) for every generation batch of one episode.
+
+    Counts are in samples (responses), as ChatLearn's ``sample_per_episode``. With ``group_size`` n > 1
+    (``num_inference_per_prompt``) each prompt is repeated n times in a row and the prompt stream advances by
+    ``sample_per_episode / n`` prompts; batches of ``batch_size / n`` prompts are dealt over the replicas, so a
+    prompt's group is never split across batches or replicas (ChatLearn's ``data_rerank``). A sample's id is
+    its position in the response stream and ``id // n`` is its group. n = 1 is exactly
+    :func:`episode_prompt_batches`.
+    """
+    n = group_size
+    prompt_batches = episode_prompt_batches(dataset_size, consumed_samples // n, sample_per_episode // n,
+                                            max(1, batch_size // n), num_replica, shuffle_seed)
+    out, position = [], consumed_samples
+    for replica, idx in prompt_batches:
+        indices = [i for i in idx for _ in range(n)]
+        out.append((replica, indices, list(range(position, position + len(indices)))))
+        position += len(indices)
+    return out
+
+
 def eval_prompt_batches(dataset_size: int, batch_size: int, num_replica: int) -> list[tuple[int, list[int]]]:
     """The whole eval set once, no wrap-around, batches dealt round-robin over the replicas."""
     batches = [list(range(s, min(s + batch_size, dataset_size))) for s in range(0, dataset_size, batch_size)]

@@ -69,15 +69,22 @@ def micro_batches(samples: Sequence[T], micro: int) -> list[list[T]]:
 
 
 def training_batches(
-    samples: Sequence[T], micro: int, global_batch: int, num_epoch: int = 1, seed: int = 0, episode: int = 0
+    samples: Sequence[T], micro: int, global_batch: int, num_epoch: int = 1, seed: int = 0, episode: int = 0,
+    group_size: int = 1,
 ) -> list[list[list[T]]]:
-    """A list of iterations; each iteration is the list of micro-batches of one optimizer step."""
+    """A list of iterations; each iteration is the list of micro-batches of one optimizer step.
+
+    With `group_size` > 1 the reshuffle of later epochs moves whole blocks of `group_size` consecutive samples
+    (a prompt's responses stay together, as online DPO's pairs need); 1 shuffles samples, as before.
+    """
     per_step = global_batch // micro
     iterations: list[list[list[T]]] = []
     for epoch in range(num_epoch):
         order = list(samples)
         if epoch > 0:
-            random.Random(f"{seed}-{episode}-{epoch}").shuffle(order)
+            blocks = [order[i : i + group_size] for i in range(0, len(order), group_size)]
+            random.Random(f"{seed}-{episode}-{epoch}").shuffle(blocks)
+            order = [s for b in blocks for s in b]
         mbs = micro_batches(order, micro)
         num_iter = math.ceil(len(order) / global_batch)
         for it in range(num_iter):

@@ -55,16 +55,19 @@ class ModelActor:
         return len(self.datasets[is_eval])
 
     def generate(self, indices: list[int], iteration: int, is_eval: bool = False,
-                 sample_ids: list[int] | None = None) -> ray.ObjectRef:
+                 sample_ids: list[int] | None = None, group_size: int = 1) -> ray.ObjectRef:
         """Collate dataset items `indices` and run `forward_step` (or `eval_step`) on them.
 
-        `sample_ids` (the samples' positions in the prompt stream) go into dict batches as `sample_id`, so a
-        module can seed per sample instead of per batch.
+        `sample_ids` (the samples' positions in the response stream) go into dict batches as `sample_id`, so a
+        module can seed per sample instead of per batch. With `group_size` > 1 (several responses per prompt)
+        the batch also gets `group_id` (`sample_id // group_size`): the responses to one prompt share it.
         """
         dataset = self.datasets[is_eval]
         batch = self.module.collate_fn([dataset[i] for i in indices])
         if isinstance(batch, dict):
             batch["sample_id"] = list(sample_ids if sample_ids is not None else indices)
+            if group_size > 1:
+                batch["group_id"] = [sid // group_size for sid in batch["sample_id"]]
         out = self.module.eval_step(batch) if is_eval else self.module.forward_step(batch, iteration)
         return ray.put(out)
 
@@ -78,7 +81,8 @@ class ModelActor:
         return ray.put(out)
 
     # -- training -------------------------------------------------------------------------------------------
-    def train(self, samples: list[dict[str, Any]], episode: int, start_iteration: int) -> dict[str, Any]:
+    def train(self, samples: list[dict[str, Any]], episode: int, start_iteration: int,
+              group_size: int = 1) -> dict[str, Any]:
         """Train on one episode's samples: re-batch, one `train_step` per global batch, for each epoch.
 
         Returns the mean of each metric over the steps and the trainer iteration reached.
@@ -86,7 +90,8 @@ class ModelActor:
         samples = _resolve(samples)
         rt = self.runtime_args
         steps = training_batches(samples, rt.train_micro_batch_size, rt.train_global_batch_size,
-                                 rt.num_training_epoch, seed=self.module.seed, episode=episode)
+                                 rt.num_training_epoch, seed=self.module.seed, episode=episode,
+                                 group_size=group_size)
         iteration = start_iteration
         sums: dict[str, float] = {}
         for step in steps:

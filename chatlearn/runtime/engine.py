@@ -18,7 +18,7 @@ from chatlearn.config.engines import ENGINES
 from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime.plan import EpisodePlan, episode_plan, resolve_engine
 
-__all__ = ["Engine", "EvalEngine", "RLHFEngine", "build_engine"]
+__all__ = ["DPOEngine", "Engine", "EvalEngine", "GRPOEngine", "OnlineDPOEngine", "RLHFEngine", "build_engine"]
 
 ConfigSource = str | os.PathLike | Mapping[str, Any] | ChatLearnConfig | None
 
@@ -61,6 +61,40 @@ class RLHFEngine(Engine):
         super().__init__({m.name: m for m in by_role.values()}, episode_plan("rlhf", by_role))
 
 
+class GRPOEngine(Engine):
+    """GRPO: policy samples ``num_inference_per_prompt`` responses per prompt -> reference (for the KL term;
+    None when ppo_policy's kl_coef is 0) -> reward (scores, group-normalised advantages); ppo_policy trains
+    with the token-level clipped loss and is synced back to the policy."""
+
+    name = "grpo"
+
+    def __init__(self, policy: BaseModule, reference: BaseModule | None, reward: BaseModule,
+                 ppo_policy: BaseModule):
+        by_role = {"policy": policy, "reference": reference, "reward": reward, "ppo_policy": ppo_policy}
+        given = {m.name: m for m in by_role.values() if m is not None}
+        super().__init__(given, episode_plan("grpo", by_role))
+
+
+class DPOEngine(Engine):
+    """Offline DPO: the reference reads (prompt, chosen, rejected) pairs; ppo_policy trains on them."""
+
+    name = "dpo"
+
+    def __init__(self, reference: BaseModule, ppo_policy: BaseModule):
+        by_role = {"reference": reference, "ppo_policy": ppo_policy}
+        super().__init__({m.name: m for m in by_role.values()}, episode_plan("dpo", by_role))
+
+
+class OnlineDPOEngine(Engine):
+    """Online DPO: policy samples prompt groups, the reward orders them, ppo_policy trains on the pairs."""
+
+    name = "online_dpo"
+
+    def __init__(self, policy: BaseModule, reference: BaseModule, reward: BaseModule, ppo_policy: BaseModule):
+        by_role = {"policy": policy, "reference": reference, "reward": reward, "ppo_policy": ppo_policy}
+        super().__init__({m.name: m for m in by_role.values()}, episode_plan("online_dpo", by_role))
+
+
 class EvalEngine(Engine):
     """Evaluation alone: the policy answers the eval set, the reward scores it (ChatLearn's EvalEngine)."""
 
@@ -81,7 +115,8 @@ class EvalEngine(Engine):
         return eval_flow(cfg, modules=self._given_modules())
 
 
-_CLASSES: dict[str, type[Engine]] = {"rlhf": RLHFEngine, "eval": EvalEngine}
+_CLASSES: dict[str, type[Engine]] = {"rlhf": RLHFEngine, "grpo": GRPOEngine, "dpo": DPOEngine,
+                                     "online_dpo": OnlineDPOEngine, "eval": EvalEngine}
 
 
 def build_engine(cfg: ChatLearnConfig, modules: Mapping[str, BaseModule] | None = None,
@@ -92,6 +127,7 @@ def build_engine(cfg: ChatLearnConfig, modules: Mapping[str, BaseModule] | None 
     supported yet), unless the config already passed these checks.
     """
     resolved = resolve_engine(cfg, modules, engine)
-    eng = _CLASSES[resolved.name](*resolved.modules.values())
+    by_name = dict(resolved.modules)
+    eng = _CLASSES[resolved.name](*[by_name.get(role) for role in ENGINES[resolved.name].roles])
     eng.from_config = not modules
     return eng

@@ -15,6 +15,14 @@ from pydantic import BaseModel, Field
 from chatlearn.runtime.plan import EpisodePlan
 
 
+class RuleSpec(BaseModel):
+    """A rule reward the score and eval stages call as stateless Prefect tasks (one per batch, in parallel)."""
+
+    reward_fn: str
+    timeout_s: float
+    num_cpus: float
+
+
 class RunHandle(BaseModel):
     namespace: str
     actors: dict[str, list[list[str]]]
@@ -29,12 +37,15 @@ class RunHandle(BaseModel):
     sample_per_episode: int = Field(description="runtime.sample_per_episode")
     generation_batch_size: int = Field(description="the producer's generation batch size")
     shuffle_seed: int | None = Field(None, description="seed of the prompt order (None: file order)")
+    group_size: int = Field(1, description="responses per prompt (the producer's num_inference_per_prompt)")
     sync_frequency: dict[str, int] = Field(default_factory=dict, description="per model receiving weights")
     save_episode_interval: int | None = None
     eval_episode_interval: int = 0
     checkpoint_models: list[str] = Field(default_factory=list, description="models that save checkpoints")
     eval_post_process_fn: str | None = None
     placement: list[dict[str, Any]] = Field(default_factory=list, description="one row per worker process")
+    rule_rewards: dict[str, "RuleSpec"] = Field(default_factory=dict,
+                                                description="rule rewards scored by fanned-out Prefect tasks")
 
     def stream(self) -> Any:
         """The run's StreamDataset actor."""

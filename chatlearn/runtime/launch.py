@@ -17,11 +17,12 @@ import ray
 
 from chatlearn.checkpoint.resume import models_to_checkpoint
 from chatlearn.config import ChatLearnConfig
+from chatlearn.config.engine_checks import group_size
 from chatlearn.config.engines import ENGINES
 from chatlearn.data.prompts import load_records
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.handles import RunHandle
+from chatlearn.runtime.handles import RuleSpec, RunHandle
 from chatlearn.runtime.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
 from chatlearn.runtime.placement import NodeSpec, plan_placement
 from chatlearn.runtime.plan import ResolvedEngine
@@ -113,12 +114,27 @@ def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, pre
         data_checkpoint_path=data_checkpoint_path, stream_actor=prefix + "stream-dataset",
         sample_per_episode=rt.sample_per_episode,
         generation_batch_size=cfg.models[plan.producer].generation_batch_size or rt.generation_batch_size,
-        shuffle_seed=rt.shuffle_seed,
+        shuffle_seed=rt.shuffle_seed, group_size=group_size(cfg, plan.producer),
         sync_frequency={dst: cfg.models[dst].sync_frequency for _, dst in plan.sync},
         save_episode_interval=rt.save_episode_interval, eval_episode_interval=rt.eval_episode_interval,
         checkpoint_models=models_to_checkpoint(cfg, plan.trainers, plan.sync) if plan.trainers else [],
         eval_post_process_fn=rt.eval_post_process_fn,
+        rule_rewards=rule_rewards(cfg, eng),
     )
+
+
+def rule_rewards(cfg: ChatLearnConfig, eng: ResolvedEngine) -> dict[str, RuleSpec]:
+    """The rule rewards (``RuleReward`` modules with ``fan_out``) whose function runs in Prefect tasks."""
+    from chatlearn.models.hf.reward import RuleReward  # torch-heavy; launch runs once per run
+
+    out = {}
+    for name, module in eng.modules.items():
+        if isinstance(module, RuleReward) and name in (eng.plan.final, eng.plan.evaluator):
+            args = RuleReward.args_schema.model_validate(cfg.models[name].args_dict or {})
+            if args.fan_out:
+                out[name] = RuleSpec(reward_fn=args.reward_fn, timeout_s=args.timeout_s,
+                                     num_cpus=args.num_cpus_per_task)
+    return out
 
 
 def write_placement(run_dir: str, workers: Workers, node_ids: list[str], infos: dict[str, list[dict]]) -> None:

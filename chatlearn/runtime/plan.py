@@ -42,17 +42,50 @@ def _rlhf(n: Mapping[str, str]) -> EpisodePlan:
     )
 
 
-def _eval(n: Mapping[str, str]) -> EpisodePlan:
+def _grpo(n: Mapping[str, str], trainer_args: Mapping[str, Any]) -> EpisodePlan:
+    """GRPO: policy samples prompt groups -> reference (KL term, when present) -> reward (scores and group
+    advantages); ppo_policy trains and is synced back. The old log-probs are the sampler's (same weights as
+    the trainer when the policy syncs every episode), or the trainer's own forward pass in the score stage
+    when ppo_policy's ``old_logprobs`` says ``trainer``."""
+    scorers = [n["reference"]] if "reference" in n else []
+    if trainer_args.get("old_logprobs", "generation") == "trainer":
+        scorers.append(n["ppo_policy"])
+    return EpisodePlan(producer=n["policy"], scorers=scorers, final=n["reward"], trainers=[n["ppo_policy"]],
+                       sync=[(n["ppo_policy"], n["policy"])], evaluator=n["reward"], export=n["ppo_policy"])
+
+
+def _online_dpo(n: Mapping[str, str], trainer_args: Mapping[str, Any]) -> EpisodePlan:
+    """Online DPO: policy samples prompt groups -> reference log-probs -> reward scores; ppo_policy trains on
+    the pairs inside each group and is synced back."""
+    return EpisodePlan(producer=n["policy"], scorers=[n["reference"]], final=n["reward"],
+                       trainers=[n["ppo_policy"]], sync=[(n["ppo_policy"], n["policy"])], evaluator=n["reward"],
+                       export=n["ppo_policy"])
+
+
+def _dpo(n: Mapping[str, str], trainer_args: Mapping[str, Any]) -> EpisodePlan:
+    """Offline DPO: the reference reads the (prompt, chosen, rejected) pairs and adds its log-probs; ppo_policy
+    trains on them. Eval: the trainer scores held-out pairs (preference accuracy and margin)."""
+    return EpisodePlan(producer=n["reference"], trainers=[n["ppo_policy"]], evaluator=n["ppo_policy"],
+                       export=n["ppo_policy"])
+
+
+def _eval(n: Mapping[str, str], trainer_args: Mapping[str, Any]) -> EpisodePlan:
     """Evaluation alone: the policy answers the eval set, the reward scores it."""
     return EpisodePlan(producer=n["policy"], evaluator=n["reward"])
 
 
-_PLANS: dict[str, Callable[[Mapping[str, str]], EpisodePlan]] = {"rlhf": _rlhf, "eval": _eval}
+_PLANS: dict[str, Callable[[Mapping[str, str], Mapping[str, Any]], EpisodePlan]] = {
+    "rlhf": lambda n, _: _rlhf(n), "grpo": _grpo, "dpo": _dpo, "online_dpo": _online_dpo, "eval": _eval,
+}
 
 
-def episode_plan(engine: str, modules: Mapping[str, BaseModule]) -> EpisodePlan:
-    """The plan of ``engine`` over ``modules`` given by role (the plan names each module by its ``name``)."""
-    return _PLANS[engine]({role: module.name for role, module in modules.items()})
+def episode_plan(engine: str, modules: Mapping[str, BaseModule | None],
+                 trainer_args: Mapping[str, Any] | None = None) -> EpisodePlan:
+    """The plan of ``engine`` over ``modules`` given by role (the plan names each module by its ``name``;
+    an optional role left out or given as None is not in the plan). ``trainer_args`` is ppo_policy's
+    ``args_dict`` where the wiring depends on it (GRPO's source of old log-probs)."""
+    names = {role: module.name for role, module in modules.items() if module is not None}
+    return _PLANS[engine](names, trainer_args or {})
 
 
 class ResolvedEngine(NamedTuple):
@@ -68,6 +101,9 @@ def resolve_engine(cfg: ChatLearnConfig, modules: Mapping[str, Any] | None = Non
     given = dict(modules or {})
     name = engine_name(cfg, engine)
     run_checks(cfg, [EngineChecks(name, given)])
-    by_role = {role: given[role] if role in given else import_object(module_class_path(role, cfg), "Class")(role)
-               for role in ENGINES[name].roles}
-    return ResolvedEngine(name, {m.name: m for m in by_role.values()}, episode_plan(name, by_role))
+    spec = ENGINES[name]
+    roles = [r for r in spec.roles if r not in spec.optional or r in given or r in cfg.models]
+    by_role = {role: given[role] if role in given else import_object(module_class_path(role, cfg, name), "Class")(role)
+               for role in roles}
+    trainer_args = cfg.models["ppo_policy"].args_dict if "ppo_policy" in cfg.models else {}
+    return ResolvedEngine(name, {m.name: m for m in by_role.values()}, episode_plan(name, by_role, trainer_args))

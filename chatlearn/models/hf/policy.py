@@ -20,6 +20,9 @@ class PolicyArgs(HFModelArgs):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     prompt_key: str = Field("prompt", description="field of a data record that holds the prompt text")
     eval_do_sample: bool = Field(False, description="sample during eval (default greedy)")
+    num_inference_per_prompt: int = Field(
+        1, ge=1, description="responses sampled per prompt, kept together as a group (GRPO, online DPO); "
+        "sample_per_episode and generation_batch_size count responses")
 
     @field_validator("top_k")
     @classmethod
