@@ -67,9 +67,26 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
         if resumed is not None:  # inference copies that may lag their trainer come from their own checkpoint
             lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
             load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
+        params = _parameter_counts(heads, eng.plan.trainers)
         startup = time.perf_counter() - t_start
         sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
-        return _run_episodes(cfg, run, groups, run_dir, resumed, startup)
+        last = _run_episodes(cfg, run, groups, run_dir, resumed, startup)
+        if eng.plan.export in params:
+            last.update(params[eng.plan.export])
+            (run_dir / "summary.json").write_text(json.dumps(last, default=str, indent=1))
+        return last
+
+
+def _parameter_counts(heads: dict[str, Any], trainers: list[str]) -> dict[str, dict[str, int]]:
+    """Trainable vs total parameters of each trainer (LoRA trains a small share), printed once."""
+    infos = dict(zip(trainers, ray.get([heads[m].call.remote("info") for m in trainers]), strict=True))
+    out = {}
+    for name, info in infos.items():
+        if "trainable_params" in info:
+            t, n = int(info["trainable_params"]), int(info["total_params"])
+            out[name] = {"trainable_params": t, "total_params": n}
+            sys.stderr.write(f"{name}: {t:,} trainable of {n:,} parameters ({100.0 * t / max(1, n):.2f}%)\n")
+    return out
 
 
 def _show_placement(run: RunHandle) -> None:

@@ -78,19 +78,22 @@ def test_train_rejects_a_bad_config_before_starting_anything(tmp_path):
     assert not (tmp_path / "server.json").exists()  # no Prefect server was started
 
 
-def test_a_knob_that_would_change_results_is_refused_by_the_checks_only(capsys):
+def test_a_knob_that_a_module_cannot_honour_is_refused_by_the_checks_only(capsys):
     # chatlearn config still prints it (ChatLearn's loader accepts it) ...
-    code, out, err = run_here(capsys, "config", "models.ppo_policy.lora.enable_lora=true")
+    code, out, err = run_here(capsys, "config", "models.ppo_value.lora.enable_lora=true")
     assert code == 0, err
-    assert json.loads(out)["models"]["ppo_policy"]["lora"]["enable_lora"] is True
-    # ... and what would run it refuses it, naming the field
-    code, _, err = run_here(capsys, "config", "--check", "models.ppo_policy.lora.enable_lora=true")
+    assert json.loads(out)["models"]["ppo_value"]["lora"]["enable_lora"] is True
+    # ... and what would run it refuses it, naming the field: the value trainer trains no adapters
+    code, _, err = run_here(capsys, "config", "--check", "models.ppo_value.lora.enable_lora=true")
     assert code == 2
     problems = [line[4:] for line in err.splitlines()[1:]]
     assert problems == [
-        "models.ppo_policy.lora.enable_lora: True is not supported yet (LoRA adapters: not implemented yet); "
-        "leave it at False",
+        "models.ppo_value.lora.enable_lora: PPOValueTrainer does not train LoRA adapters (the policy trainers do: "
+        "ppo_policy of the rlhf, grpo, dpo and online_dpo engines)",
     ]
+    # the policy trainer does
+    code, _, err = run_here(capsys, "config", "--check", "models.ppo_policy.lora.enable_lora=true")
+    assert code == 0, err
 
 
 def test_a_knob_that_only_tunes_speed_warns_once_and_runs():

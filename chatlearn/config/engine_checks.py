@@ -67,6 +67,7 @@ class EngineChecks:
         problems += _hooks(cfg)
         problems += _layout(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _groups(cfg, name, spec, self.modules)
+        problems += _lora(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _sync_frequency(cfg, spec)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
@@ -258,4 +259,16 @@ def _groups(cfg: ChatLearnConfig, name: str, spec: EngineSpec, modules: Mapping[
         if isinstance(kl, int | float) and kl > 0:
             problems.append(f"models.ppo_policy.args_dict.kl_coef: {kl} needs a reference model (models.reference);"
                             " add one or set kl_coef to 0")
+    return problems
+
+
+def _lora(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
+    """LoRA needs a module that trains adapters (``supports_lora``); elsewhere the flag would do nothing."""
+    problems = []
+    for name in names:
+        if cfg.models[name].lora.enable_lora:
+            cls = _module_class(name, cfg, modules, engine)
+            if cls is not None and not getattr(cls, "supports_lora", False):
+                problems.append(f"models.{name}.lora.enable_lora: {cls.__name__} does not train LoRA adapters (the "
+                                "policy trainers do: ppo_policy of the rlhf, grpo, dpo and online_dpo engines)")
     return problems

@@ -12,7 +12,8 @@ from tqdm import tqdm
 from chatlearn.config import ChatLearnConfig
 
 # Column order of the metrics line and the artifact table (keys that are absent are skipped).
-LINE_KEYS = ["reward_mean", "eval_reward_mean", "eval_exact_match", "kl_mean", "policy_loss", "value_loss", "clipfrac",
+LINE_KEYS = ["reward_mean", "eval_reward_mean", "eval_exact_match", "eval_preference_accuracy", "kl_mean",
+             "policy_loss", "value_loss", "clipfrac", "kl_loss", "dpo_loss", "reward_accuracy", "pair_accuracy",
              "response_length_mean", "episode_seconds", "peak_memory_mb"]
 
 

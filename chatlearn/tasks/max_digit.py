@@ -22,6 +22,26 @@ def make_records(n: int, seed: int, min_digits: int = 3, max_digits: int = 4) ->
     return records
 
 
+def make_pairs(n: int, seed: int) -> list[dict]:
+    """Preference pairs for DPO: the right digit is chosen, a wrong one rejected."""
+    rng = random.Random(seed)
+    pairs = []
+    for rec in make_records(n, seed):
+        wrong = rng.choice([d for d in "0123456789" if d != rec["answer"]])
+        pairs.append({**rec, "chosen": rec["answer"], "rejected": wrong})
+    return pairs
+
+
+def pair_eval_metrics(results: list[dict], context: dict) -> dict:
+    """Eval hook of the DPO config: how often the trained policy prefers the chosen response over the
+    rejected one more than the reference does (implicit reward margin > 0), and the mean margin."""
+    n = max(1, len(results))
+    return {
+        "eval_preference_accuracy": sum(float(r["preferred"]) for r in results) / n,
+        "eval_reward_margin": sum(float(r["scores"]) for r in results) / n,
+    }
+
+
 def max_digit_reward(sample: dict) -> float:
     """1.0 if the response starts with the answer, 0.5 * closeness for another digit, else 0."""
     response = sample["response"].strip()
@@ -55,3 +75,5 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "max_digit_train.jsonl", make_records(4096, seed=1))
     write_jsonl(out / "max_digit_eval.jsonl", make_records(128, seed=2))
+    write_jsonl(out / "max_digit_pairs_train.jsonl", make_pairs(1024, seed=3))
+    write_jsonl(out / "max_digit_pairs_eval.jsonl", make_pairs(128, seed=4))

@@ -7,9 +7,7 @@ step equals one big batch's masked mean whatever the micro-batch size).
 
 import functools
 import math
-import os
-import shutil
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -24,6 +22,7 @@ from chatlearn.models.hf.common import (
     load_tokenizer,
     response_logprobs,
 )
+from chatlearn.models.hf.lora import LoraTrainerMixin
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
 
 
@@ -52,7 +51,9 @@ class PPOValueArgs(OptimArgs, ValueArgs):
 
 
 def _adamw(model: torch.nn.Module, args: OptimArgs) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+    """AdamW over the parameters that train (all of them, or only the LoRA adapters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
                              betas=(args.adam_beta1, args.adam_beta2))
 
 
@@ -84,16 +85,22 @@ def _token_weights(data_list: list[dict]) -> list[float]:
     return [t / total for t in tokens]
 
 
-class PPOPolicyTrainer(HFModule):
+class PPOPolicyTrainer(LoraTrainerMixin, HFModule):
+    """The policy trainer (and base of the GRPO and DPO trainers). With ``lora.enable_lora`` only adapters
+    train: the sync sends merged weights, checkpoints keep adapters apart from the base, the export is merged."""
+
     args_schema = PPOPolicyArgs
+    supports_lora: ClassVar[bool] = True
 
     def setup(self) -> None:
         ensure_model_files(self.args)
         self.tokenizer = load_tokenizer(self.args.model_path)
         self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).train()
+        self.maybe_apply_lora()  # before the optimizer: it only gets the adapters
         self.optimizer = _adamw(self.model, self.args)
         self.scheduler = _scheduler(self.optimizer, self.args, self.runtime_args)
-        self.loss_fn = get_policy_loss(self.args.policy_loss)
+        # the DPO trainers (subclasses) have no registered policy loss
+        self.loss_fn = get_policy_loss(self.args.policy_loss) if hasattr(self.args, "policy_loss") else None
 
     def train_step(self, data_list, iteration):
         if self.args.whiten_advantages:
@@ -119,17 +126,6 @@ class PPOPolicyTrainer(HFModule):
         self.scheduler.step()
         stats["policy_grad_norm"] = float(grad_norm)
         return stats
-
-    def export_hf(self, path: str) -> str:
-        """Save the current policy in Hugging Face format (config, safetensors, tokenizer files)."""
-        tmp = path + ".tmp"
-        os.makedirs(tmp, exist_ok=True)
-        self.model.save_pretrained(tmp, safe_serialization=True)
-        self.tokenizer.save_pretrained(tmp)
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        return path
 
 
 class PPOValueTrainer(HFModule):

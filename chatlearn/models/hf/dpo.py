@@ -1,0 +1,210 @@
+"""DPO and online DPO: the pair reference and the two trainers (ChatLearn's DPOEngine and OnlineDPOEngine).
+
+A preference pair is one sample: the prompt, the chosen response as ``response_ids``/``response_mask`` and the
+rejected one as ``rejected_ids``/``rejected_mask`` (see :mod:`chatlearn.data.batch`). Offline DPO reads the
+pairs from JSONL (``prompt``, ``chosen``, ``rejected``); the reference adds its log-probs of both responses and
+the trainer minimises the sigmoid (or IPO) loss of :func:`chatlearn.algorithms.dpo.dpo_loss`.
+
+Online DPO has no stored pairs: the policy samples a group of responses per prompt, the reward scores them, and
+every pair of the group with a strictly higher reward is a (chosen, rejected) pair, compared by
+length-normalised (policy - reference) log-probs (:func:`chatlearn.algorithms.dpo.online_dpo_loss`).
+"""
+
+import torch
+from pydantic import Field
+
+from chatlearn.algorithms.dpo import dpo_loss, online_dpo_loss, sequence_logprob
+from chatlearn.models.hf.common import (
+    HFModelArgs,
+    HFModule,
+    ensure_model_files,
+    load_causal_lm,
+    load_tokenizer,
+    response_logprobs,
+)
+from chatlearn.models.hf.ppo_trainer import OptimArgs, PPOPolicyTrainer
+
+
+class PairArgs(HFModelArgs):
+    prompt_key: str = Field("prompt", description="field of a pair record that holds the prompt text")
+    chosen_key: str = Field("chosen", description="field of a pair record that holds the preferred response")
+    rejected_key: str = Field("rejected", description="field of a pair record that holds the other response")
+    max_response_tokens: int = Field(256, gt=0, description="longer responses are an error naming the record")
+
+
+def rejected_view(batch: dict) -> dict:
+    """The batch with the rejected response in the response slots (for the shared log-prob code)."""
+    return {"prompt_ids": batch["prompt_ids"], "prompt_mask": batch["prompt_mask"],
+            "response_ids": batch["rejected_ids"], "response_mask": batch["rejected_mask"]}
+
+
+class PairReference(HFModule):
+    """The DPO engine's first model: owns the pair dataset, tokenises pairs, adds frozen log-probs of both."""
+
+    args_schema = PairArgs
+
+    def setup(self) -> None:
+        ensure_model_files(self.args)
+        self.tokenizer = load_tokenizer(self.args.model_path)
+        self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+
+    def build_dataset(self, prompts, is_eval=False):
+        a = self.args
+        for i, rec in enumerate(prompts):
+            for key in (a.prompt_key, a.chosen_key, a.rejected_key):
+                if not isinstance(rec, dict) or not isinstance(rec.get(key), str):
+                    which = "eval" if is_eval else "train"
+                    raise ValueError(f"{self.name}: {which} pair record {i} has no string field {key!r} (a DPO "
+                                     f"record needs {a.prompt_key!r}, {a.chosen_key!r} and {a.rejected_key!r}): "
+                                     f"{str(rec)[:80]}")
+        return list(prompts)
+
+    def _responses(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded response tokens, each ending with EOS, and their mask."""
+        rows = [self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+                for t in texts]
+        for t, r in zip(texts, rows, strict=True):
+            if len(r) > self.args.max_response_tokens:
+                raise ValueError(f"{self.name}: response of {len(r)} tokens exceeds max_response_tokens="
+                                 f"{self.args.max_response_tokens}: {t[:60]!r}")
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width))
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1.0
+        return ids, mask
+
+    def collate_fn(self, items):
+        a = self.args
+        enc = self.tokenizer([it[a.prompt_key] for it in items], padding=True, return_tensors="pt")
+        chosen_ids, chosen_mask = self._responses([it[a.chosen_key] for it in items])
+        rejected_ids, rejected_mask = self._responses([it[a.rejected_key] for it in items])
+        batch = {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
+                 "response_ids": chosen_ids, "response_mask": chosen_mask,
+                 "rejected_ids": rejected_ids, "rejected_mask": rejected_mask}
+        for field in items[0]:
+            batch[field] = [it.get(field) for it in items]
+        return batch
+
+    @torch.no_grad()
+    def forward_step(self, data, iteration):
+        t = self.args.temperature
+        chosen = response_logprobs(self.model, data, self.device, t).cpu()
+        rejected = response_logprobs(self.model, rejected_view(data), self.device, t).cpu()
+        return {**data, "ref_logprobs": chosen, "rejected_ref_logprobs": rejected}
+
+    def eval_step(self, data):
+        return self.forward_step(data, 0)
+
+
+class DPOArgs(OptimArgs):
+    dpo_weight: float = Field(0.1, gt=0, description="beta: inverse temperature of the implicit reward")
+    label_smoothing: float = Field(0.0, ge=0, le=0.5, description="cDPO: probability a preference label is flipped")
+    use_ipo: bool = Field(False, description="IPO's squared loss instead of the sigmoid")
+
+
+class DPOPolicyTrainer(PPOPolicyTrainer):
+    """ppo_policy of the DPO engine: sigmoid/IPO loss on (chosen - rejected) log-ratios against the reference.
+
+    Setup, checkpoints, sync and export are the PPO policy trainer's. Its `eval_step` scores held-out pairs:
+    ``scores`` is the implicit reward margin beta * ((pc - pr) - (rc - rr)) and ``preferred`` whether it is > 0.
+    """
+
+    args_schema = DPOArgs
+
+    def _sequence_logprobs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.args.temperature
+        chosen = sequence_logprob(response_logprobs(self.model, batch, self.device, t),
+                                  batch["response_mask"].to(self.device))
+        rejected = sequence_logprob(response_logprobs(self.model, rejected_view(batch), self.device, t),
+                                    batch["rejected_mask"].to(self.device))
+        return chosen, rejected
+
+    def _ref(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen = sequence_logprob(batch["ref_logprobs"], batch["response_mask"]).to(self.device)
+        rejected = sequence_logprob(batch["rejected_ref_logprobs"], batch["rejected_mask"]).to(self.device)
+        return chosen, rejected
+
+    def train_step(self, data_list, iteration):
+        a = self.args
+        self.optimizer.zero_grad(set_to_none=True)
+        total = sum(len(mb["response_ids"]) for mb in data_list)
+        stats: dict[str, float] = {"dpo_loss": 0.0, "reward_accuracy": 0.0, "reward_margin": 0.0}
+        for mb in data_list:
+            share = len(mb["response_ids"]) / total  # the step is the mean over the global batch's pairs
+            pc, pr = self._sequence_logprobs(mb)
+            rc, rr = self._ref(mb)
+            loss, st = dpo_loss(pc, pr, rc, rr, beta=a.dpo_weight, label_smoothing=a.label_smoothing, ipo=a.use_ipo)
+            (loss * share).backward()
+            stats["dpo_loss"] += float(loss.detach()) * share
+            stats["reward_accuracy"] += st["reward_accuracy"] * share
+            stats["reward_margin"] += st["reward_margin"] * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
+        self.optimizer.step()
+        stats["policy_lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        stats["policy_grad_norm"] = float(grad_norm)
+        return stats
+
+    @torch.no_grad()
+    def eval_step(self, data):
+        pc, pr = self._sequence_logprobs(data)
+        rc, rr = self._ref(data)
+        margin = (self.args.dpo_weight * ((pc - pr) - (rc - rr))).cpu()
+        return {"scores": margin, "preferred": (margin > 0).float()}
+
+
+class OnlineDPOArgs(OptimArgs):
+    dpo_weight: float = Field(0.1, gt=0, description="beta: inverse temperature of the implicit reward")
+    use_ipo: bool = Field(False, description="IPO's squared loss instead of the sigmoid")
+
+
+def pairs_in_groups(scores: torch.Tensor, group_ids: list[int]) -> list[tuple[int, int]]:
+    """Every (i, j) of one prompt group with scores[i] > scores[j] (ties give no pair), as batch indices.
+
+    Each group is compared only with itself, from its own members' positions, so a group without ordered
+    pairs shifts nothing (ChatLearn v1.0.2 advanced its slice offset only for groups that had pairs)."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(int(g), []).append(i)
+    values = scores.tolist()
+    return [(i, j) for m in members.values() for i in m for j in m if values[i] > values[j]]
+
+
+class OnlineDPOPolicyTrainer(PPOPolicyTrainer):
+    """ppo_policy of the online DPO engine: pairs from each prompt group's reward order, scored by the
+    length-normalised (policy - reference) log-prob of each response (log-probs clamped to <= 0, as ChatLearn).
+
+    The step's loss is the mean over all pairs of the global batch (each micro-batch weighted by its pairs)."""
+
+    args_schema = OnlineDPOArgs
+
+    def train_step(self, data_list, iteration):
+        a = self.args
+        self.optimizer.zero_grad(set_to_none=True)
+        pairs = [pairs_in_groups(mb["scores"], mb["group_id"]) for mb in data_list]
+        total = sum(len(p) for p in pairs)
+        stats: dict[str, float] = {"dpo_loss": 0.0, "pair_accuracy": 0.0, "margin": 0.0, "num_pairs": float(total)}
+        for mb, mb_pairs in zip(data_list, pairs, strict=True):
+            if not mb_pairs:
+                continue  # no ordered pair (all rewards tied): no signal, as ChatLearn skips such groups
+            mask = mb["response_mask"].to(self.device)
+            lp = response_logprobs(self.model, mb, self.device, a.temperature).clamp(max=0)
+            ref = mb["ref_logprobs"].to(self.device).clamp(max=0)
+            s = sequence_logprob(lp, mask, length_normalize=True) - sequence_logprob(ref, mask, length_normalize=True)
+            loss, st = online_dpo_loss(s, mb_pairs, beta=a.dpo_weight, ipo=a.use_ipo)
+            share = len(mb_pairs) / total
+            (loss * share).backward()
+            stats["dpo_loss"] += float(loss.detach()) * share
+            stats["pair_accuracy"] += st["pair_accuracy"] * share
+            stats["margin"] += st["margin"] * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm) if total else \
+            torch.zeros(())
+        if total:
+            self.optimizer.step()
+        stats["policy_lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        stats["policy_grad_norm"] = float(grad_norm)
+        return stats
