@@ -1,0 +1,158 @@
+"""Integration: two episodes of each new engine from its shipped config (GRPO, DPO, online DPO with LoRA),
+through a real Ray and a real Prefect API, and GRPO's exact resume after SIGKILL in a real process."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["runtime.num_episode=2", "runtime.sample_per_episode=32", "runtime.generation_batch_size=16",
+         "runtime.train_micro_batch_size=8", "runtime.train_global_batch_size=16", "runtime.eval_episode_interval=2"]
+
+
+def small(name, tmp_path, tiny_model_dir, *extra):
+    from chatlearn.config import load_config
+
+    path = os.path.join(REPO, "configs", f"{name}.yaml")
+    return load_config(path, [*SMALL, f"runtime.output_dir={tmp_path}", f"runtime.exp_name={name}-{len(extra)}",
+                              f"models.ppo_policy.args_dict.model_path={tiny_model_dir}",
+                              *(f"models.{m}.args_dict.model_path={tiny_model_dir}" for m in ("policy", "reference")
+                                if m in _models(path)), *extra])
+
+
+def _models(path):
+    import yaml
+
+    return yaml.safe_load(open(path))["models"]
+
+
+def rows_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def task_runs_named(name):
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=name)))
+
+    return asyncio.run(read())
+
+
+def test_grpo_two_episodes_and_both_sources_of_old_logprobs(prefect_api, ray_session, tiny_model_dir, tmp_path):
+    from flows import train_flow
+
+    before = len(task_runs_named("rule-reward"))
+    cfg = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32")
+    train_flow(cfg)
+    rows = rows_of(tmp_path / cfg.runtime.exp_name)
+    assert [r["episode"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["train_steps"] == 1 and r["num_samples"] == 32
+        assert 0 <= r["clipfrac"] <= 1 and "kl_loss" in r and "policy_loss" in r
+    # one step per episode: the first one is on-policy (ratio 1, nothing clipped) at the reference (KL 0)
+    assert rows[0]["kl_loss"] == pytest.approx(0.0, abs=1e-5) and rows[0]["clipfrac"] == 0.0
+    assert rows[0]["approx_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert rows[1]["kl_loss"] > 0
+    assert "eval_reward_mean_before_training" in rows[0] and "eval_exact_match" in rows[1]
+    # the rule reward ran as Prefect tasks: 2 generation batches per episode, 8 eval batches twice (before
+    # training and after episode 2); none of them in the reward's actor
+    runs = task_runs_named("rule-reward")
+    assert len(runs) - before == 2 * 2 + 2 * 8
+    assert all(r.state.is_completed() for r in runs)
+
+    # the trainer's own forward pass as the old log-probs: the same weights give the same first episode
+    cfg2 = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32", "runtime.num_episode=1",
+                 "models.ppo_policy.args_dict.old_logprobs=trainer", "runtime.eval_episode_interval=0",
+                 "runtime.enable_eval_before_training=false")
+    train_flow(cfg2)
+    first = rows_of(tmp_path / cfg2.runtime.exp_name)[0]
+    assert first["reward_mean"] == rows[0]["reward_mean"]
+    for key in ("policy_loss", "clipfrac", "approx_kl", "kl_loss", "policy_grad_norm"):
+        assert first[key] == pytest.approx(rows[0][key], abs=1e-5), key
+
+
+def test_dpo_two_episodes_learn_the_preference(prefect_api, ray_session, tiny_model_dir, tmp_path):
+    from flows import train_flow
+
+    cfg = small("dpo", tmp_path, tiny_model_dir, "runtime.sample_per_episode=64")
+    result = train_flow(cfg)
+    rows = rows_of(tmp_path / cfg.runtime.exp_name)
+    assert [r["episode"] for r in rows] == [0, 1] and rows[1]["consumed_samples"] == 128
+    assert rows[0]["eval_reward_mean_before_training"] == 0.0  # the policy is the reference: no margin
+    assert rows[0]["dpo_loss"] < 0.6932  # log 2 at the first step, then lower
+    assert rows[1]["eval_preference_accuracy"] > 0.5 and rows[1]["eval_reward_margin"] > 0
+    assert os.path.isfile(os.path.join(result["final_policy"], "model.safetensors"))
+
+
+def test_online_dpo_with_lora_two_episodes(prefect_api, ray_session, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flows import train_flow
+
+    cfg = small("online_dpo", tmp_path, tiny_model_dir, "runtime.save_episode_interval=1")
+    assert cfg.models["ppo_policy"].lora.enable_lora
+    result = train_flow(cfg)
+    run_dir = tmp_path / cfg.runtime.exp_name
+    rows = rows_of(run_dir)
+    assert [r["episode"] for r in rows] == [0, 1]
+    assert all(r["num_pairs"] > 0 and 0 <= r["pair_accuracy"] <= 1 for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0 < summary["trainable_params"] < summary["total_params"] / 5
+    # checkpoints hold adapters apart from the frozen base, written once
+    ckpt = run_dir / "checkpoints" / "ppo_policy"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["base", "iter_0000002", "iter_0000004"]
+    adapters = load_file(str(next((ckpt / "iter_0000004").glob("*.safetensors"))))
+    assert adapters and all("lora_" in k for k in adapters)
+    # the export is merged: plain transformers loads it, no adapter files, and it moved away from the base
+    final = result["final_policy"]
+    assert not os.path.exists(os.path.join(final, "adapter_config.json"))
+    model = AutoModelForCausalLM.from_pretrained(final)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, base[k])}
+    assert changed and all(any(p in k for p in ("proj",)) for k in changed)
+
+
+def train_grpo(out, exp, tiny_model_dir, crash=None):
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+               PREFECT_API_URL=PREFECT_API_URL.value())
+    env.pop("CHATLEARN_CRASH_AT", None)
+    if crash:
+        env["CHATLEARN_CRASH_AT"] = crash
+    args = [*SMALL, "runtime.num_episode=3", "runtime.save_episode_interval=1", "runtime.eval_episode_interval=0",
+            "runtime.enable_eval_before_training=false", f"runtime.exp_name={exp}"]
+    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", "configs/grpo.yaml", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_grpo_resume_after_sigkill_is_bit_identical(prefect_api, tiny_model_dir, tmp_path):
+    timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths")
+    ref = train_grpo(tmp_path, "ref", tiny_model_dir)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = train_grpo(tmp_path, "killed", tiny_model_dir, crash="after_generate:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    again = train_grpo(tmp_path, "killed", tiny_model_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming after episode 1 " in again.stderr
+    expected = load_file(str(tmp_path / "ref" / "final" / "policy" / "model.safetensors"))
+    weights = load_file(str(tmp_path / "killed" / "final" / "policy" / "model.safetensors"))
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+
+    def rows(exp):
+        return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
+
+    assert rows("killed") == rows("ref") and len(rows("ref")) == 3
