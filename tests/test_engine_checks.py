@@ -133,3 +133,62 @@ def test_multi_process_replicas_need_a_module_that_takes_them():
         "models.reference.num_cpu: 2 with cpu_per_process=1 gives 2 processes per replica (1 replica(s)), but "
         "ReferenceModel runs a replica in one process (data/tensor/pipeline parallel is not supported by it yet): "
         "set cpu_per_process to num_cpu / replicas, use more replicas, or a module with multi_process = True"]
+
+
+def check_config(name, *overrides):
+    """Problems of a shipped engine config with `overrides`, with its engine's checks."""
+    try:
+        load_config(os.path.join(REPO, "configs", f"{name}.yaml"), overrides, [EngineChecks()])
+        return []
+    except ConfigError as exc:
+        return exc.problems
+
+
+@pytest.mark.parametrize("name", ["grpo", "dpo", "online_dpo"])
+def test_the_shipped_engine_configs_pass(name):
+    assert check_config(name) == []
+
+
+def test_prompt_groups_must_be_whole():
+    n = "models.policy.args_dict.num_inference_per_prompt"
+    assert check_config("grpo", f"{n}=1") == [
+        f"{n}: the grpo engine compares several responses to the same prompt; set it to 2 or more (ChatLearn's "
+        "GRPO examples use 8 to 32), got 1"]
+    assert check_config("grpo", f"{n}=6") == [
+        f"runtime.sample_per_episode: 128 is not a multiple of {n} (6); an episode must hold whole prompt groups",
+        f"runtime.generation_batch_size: 64 is not a multiple of {n} (6); a generation batch must hold whole "
+        "prompt groups"]
+    assert check_config("online_dpo", "runtime.train_micro_batch_size=6", "runtime.train_global_batch_size=6") == [
+        "runtime.train_micro_batch_size: online DPO builds its pairs inside each prompt's group, so a micro-batch "
+        f"must hold whole groups: it must be a multiple of {n} (4) and divide sample_per_episode (128), got 6"]
+
+
+def test_grpo_reference_is_optional_only_without_kl():
+    import yaml
+
+    no_ref = ["models.ppo_policy.args_dict.kl_coef=0.0"]
+    raw = yaml.safe_load(open(os.path.join(REPO, "configs", "grpo.yaml")))
+    del raw["models"]["reference"]
+    raw["runtime"]["colocation"] = ["policy,reward,ppo_policy"]
+    raw["runtime"]["data_path"] = os.path.join(REPO, "configs", "data", "max_digit_train.jsonl")
+    raw["runtime"]["eval_data_path"] = os.path.join(REPO, "configs", "data", "max_digit_eval.jsonl")
+    for m in raw["models"].values():
+        if m.get("model_config_file"):
+            m["model_config_file"] = os.path.join(REPO, "configs", m["model_config_file"])
+    try:
+        load_config(raw, [], [EngineChecks()])
+        problems = []
+    except ConfigError as exc:
+        problems = exc.problems
+    assert problems == ["models.ppo_policy.args_dict.kl_coef: 0.01 needs a reference model (models.reference); "
+                        "add one or set kl_coef to 0"]
+    load_config(raw, no_ref, [EngineChecks()])  # no KL term: no reference needed
+
+
+def test_old_logprobs_from_generation_need_the_trainers_weights():
+    assert check_config("grpo", "models.policy.sync_frequency=2") == [
+        "models.policy.sync_frequency: 2 leaves the policy behind the trainer between syncs, but old_logprobs: "
+        "generation takes the sampler's log-probs as the trainer's; set old_logprobs: trainer for the trainer's "
+        "own forward pass"]
+    assert check_config("grpo", "models.policy.sync_frequency=2",
+                        "models.ppo_policy.args_dict.old_logprobs=trainer") == []

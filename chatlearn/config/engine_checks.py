@@ -68,6 +68,7 @@ class EngineChecks:
         problems += _layout(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _groups(cfg, name, spec, self.modules)
         problems += _lora(cfg, [r for r in roles if r in cfg.models], self.modules, name)
+        problems += _old_logprobs(cfg, name)
         problems += _sync_frequency(cfg, spec)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
@@ -271,4 +272,25 @@ def _lora(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], en
             if cls is not None and not getattr(cls, "supports_lora", False):
                 problems.append(f"models.{name}.lora.enable_lora: {cls.__name__} does not train LoRA adapters (the "
                                 "policy trainers do: ppo_policy of the rlhf, grpo, dpo and online_dpo engines)")
+    return problems
+
+
+def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
+    """GRPO's old log-probs may come from generation only when the sampler holds the trainer's weights at
+    generation time (synced every episode) and computes log-probs the same way (temperature, dtype)."""
+    if engine != "grpo" or not {"policy", "ppo_policy"} <= set(cfg.models):
+        return []
+    trainer = cfg.models["ppo_policy"].args_dict or {}
+    if trainer.get("old_logprobs", "generation") != "generation":
+        return []
+    policy, problems = cfg.models["policy"].args_dict or {}, []
+    why = ("old_logprobs: generation takes the sampler's log-probs as the trainer's; set old_logprobs: trainer for "
+           "the trainer's own forward pass")
+    if cfg.models["policy"].sync_frequency != 1:
+        problems.append(f"models.policy.sync_frequency: {cfg.models['policy'].sync_frequency} leaves the policy "
+                        f"behind the trainer between syncs, but {why}")
+    for key, default in (("temperature", 1.0), ("dtype", "float32")):
+        if policy.get(key, default) != trainer.get(key, default):
+            problems.append(f"models.ppo_policy.args_dict.{key}: {trainer.get(key, default)!r} differs from the "
+                            f"policy's {policy.get(key, default)!r}, but {why}")
     return problems
