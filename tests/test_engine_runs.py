@@ -156,3 +156,14 @@ def test_grpo_resume_after_sigkill_is_bit_identical(prefect_api, tiny_model_dir,
         return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
 
     assert rows("killed") == rows("ref") and len(rows("ref")) == 3
+
+
+def test_a_raising_rule_reward_stops_the_run_naming_the_sample(prefect_api, ray_session, tiny_model_dir, tmp_path):
+    from flows import train_flow
+
+    # math.sqrt of a sample dict raises TypeError: a stand-in for a reward function with a bug
+    cfg = small("grpo", tmp_path, tiny_model_dir, "models.reward.args_dict.reward_fn=math:sqrt",
+                "runtime.num_episode=1", "runtime.eval_episode_interval=0", "runtime.enable_eval_before_training=false")
+    with pytest.raises(Exception, match=r"reward reward_fn math:sqrt: raised TypeError: .* on sample 0 \(prompt "):
+        train_flow(cfg)
+    assert not (tmp_path / cfg.runtime.exp_name / "final").exists()
