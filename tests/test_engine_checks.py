@@ -192,3 +192,10 @@ def test_old_logprobs_from_generation_need_the_trainers_weights():
         "own forward pass"]
     assert check_config("grpo", "models.policy.sync_frequency=2",
                         "models.ppo_policy.args_dict.old_logprobs=trainer") == []
+
+
+def test_ppo_reward_settings_are_refused_without_a_critic():
+    assert check_config("grpo", "models.reward.args_dict.kl_coef=0.05") == [
+        "models.reward.args_dict.kl_coef: PPO's reward setting has no effect in the grpo engine (no critic, no GAE; "
+        "the KL term is models.ppo_policy.args_dict.kl_coef); remove it"]
+    assert len(check_config("online_dpo", "models.reward.args_dict.lam=0.9")) == 1

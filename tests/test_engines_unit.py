@@ -167,9 +167,11 @@ def test_old_logprobs_from_generation_and_from_the_trainer_agree(tiny_model_dir,
     assert torch.allclose(old, grpo_batch["logprobs"], atol=1e-6, rtol=0)  # same weights, same forward
 
 
-def test_grpo_step_normalises_by_the_global_batch_tokens(tiny_model_dir, grpo_batch):
+@pytest.mark.parametrize("loss", ["grpo", "gspo"])
+def test_grpo_step_normalises_by_the_global_batch_tokens(tiny_model_dir, grpo_batch, loss):
     """Micro-batches [0:5] and [5:12] give the same gradient as one batch of 12: each token weighs 1/total."""
-    args = {"model_path": tiny_model_dir, "kl_coef": 0.1, "entropy_coef": 0.01, "max_grad_norm": 1e9}
+    args = {"model_path": tiny_model_dir, "kl_coef": 0.1, "entropy_coef": 0.01, "max_grad_norm": 1e9,
+            "policy_loss": loss}
     samples = split_batch({**grpo_batch, "ref_logprobs": grpo_batch["logprobs"] - 0.1})
     grads = []
     for cut in ([slice(0, 12)], [slice(0, 5), slice(5, 12)]):

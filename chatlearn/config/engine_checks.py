@@ -69,6 +69,7 @@ class EngineChecks:
         problems += _groups(cfg, name, spec, self.modules)
         problems += _lora(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _old_logprobs(cfg, name)
+        problems += _critic_free_reward_args(cfg, name)
         problems += _sync_frequency(cfg, spec)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
@@ -294,3 +295,17 @@ def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
             problems.append(f"models.ppo_policy.args_dict.{key}: {trainer.get(key, default)!r} differs from the "
                             f"policy's {policy.get(key, default)!r}, but {why}")
     return problems
+
+
+PPO_REWARD_KEYS = ("kl_coef", "gamma", "lam", "advantage_estimator")
+
+
+def _critic_free_reward_args(cfg: ChatLearnConfig, engine: str) -> list[str]:
+    """The reward's PPO experience settings (KL penalty in the reward, GAE) do nothing without a critic."""
+    if engine not in ("grpo", "online_dpo") or "reward" not in cfg.models:
+        return []
+    given = [k for k in PPO_REWARD_KEYS if k in (cfg.models["reward"].args_dict or {})]
+    where = ("the KL term is models.ppo_policy.args_dict.kl_coef" if engine == "grpo"
+             else "online DPO compares the policy to the reference in its loss")
+    return [f"models.reward.args_dict.{k}: PPO's reward setting has no effect in the {engine} engine (no critic, no "
+            f"GAE; {where}); remove it" for k in given]
