@@ -2,6 +2,7 @@
 
 import json
 import os
+from datetime import UTC, datetime
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     """The embedded default as a YAML path, shortened to 2 episodes through its ${num_episode:20} variable;
     then the eval flow on the policy it exported."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterStartTime
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from chatlearn.config import EngineChecks, load_config, root
@@ -74,6 +75,7 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
 
     monkeypatch.setattr(root, "check_sections", count("config", sections))
     monkeypatch.setattr(EngineChecks, "__call__", count("engine", engine_call))
+    started = datetime.now(UTC)  # the session's Prefect API holds other tests' episode runs too
     result = train_flow(os.path.join(REPO, "configs", "default.yaml"))
     assert calls == {"config": 1, "engine": 1}
     monkeypatch.setattr(root, "check_sections", sections)
@@ -118,7 +120,8 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     async def episode_runs():
         async with get_client() as client:
             runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                name=FlowRunFilterName(any_=["episode-0", "episode-1"])))
+                name=FlowRunFilterName(any_=["episode-0", "episode-1"]),
+                start_time=FlowRunFilterStartTime(after_=started)))
             arts = await client.read_artifacts()
             return runs, arts
 
