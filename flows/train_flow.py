@@ -68,6 +68,10 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
             lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
             load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
         params = _parameter_counts(heads, eng.plan.trainers)
+        if eng.name == "grpo":  # say where the ratio's old log-probs come from
+            src = ("the trainer's forward pass in the score stage" if eng.plan.trainers[0] in eng.plan.scorers
+                   else "generation (the policy holds the trainer's weights, synced every episode)")
+            sys.stderr.write(f"old log-probs: {src}\n")
         startup = time.perf_counter() - t_start
         sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
         last = _run_episodes(cfg, run, groups, run_dir, resumed, startup)
