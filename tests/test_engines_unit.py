@@ -209,3 +209,16 @@ def test_lora_trainer_syncs_merged_weights_into_a_plain_policy(tiny_model_dir, g
     info = trainer.info()
     assert info["trainable_params"] == sum(p.numel() for n, p in trainer.model.named_parameters() if n in adapters)
     assert info["total_params"] == sum(p.numel() for p in policy.model.parameters())
+
+
+def test_a_pair_file_missing_a_response_is_refused_with_file_and_line(tmp_path):
+    from chatlearn.data.prompts import DataError, load_records
+    from chatlearn.runtime.launch import record_keys
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "max 1 ?", "chosen": "1", "rejected": "2"}\n{"prompt": "max 2 ?", "chosen": "2"}\n')
+    keys = record_keys(PairReference("reference"), {})
+    assert keys == ["prompt", "chosen", "rejected"]
+    with pytest.raises(DataError, match=r"pairs.jsonl:2: field 'rejected' must be a string, it is missing"):
+        load_records(str(path), keys)
+    assert record_keys(PolicyInference("policy"), {"prompt_key": "question"}) == ["question"]

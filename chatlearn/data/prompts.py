@@ -10,11 +10,12 @@ class DataError(ValueError):
     """A prompt file that cannot be used; the message names the file (and line)."""
 
 
-def load_records(paths: str | Sequence[str], required_key: str | None = None) -> list[dict[str, Any]]:
+def load_records(paths: str | Sequence[str], required_key: str | Sequence[str] | None = None) -> list[dict[str, Any]]:
     """All records of one path or a list of paths, in order. JSONL: one object per line; JSON: a list.
 
-    With `required_key`, every record must hold a string under it (e.g. the prompt), checked here on the
-    driver so the error can name the file and line before any actor starts.
+    With `required_key` (one field name or several), every record must hold a string under each (e.g. the
+    prompt; a DPO pair's chosen and rejected responses), checked here on the driver so the error can name the
+    file and line before any actor starts.
     """
     if isinstance(paths, str | Path):
         paths = [str(paths)]
@@ -53,7 +54,8 @@ def load_records(paths: str | Sequence[str], required_key: str | None = None) ->
     return records
 
 
-def _check_key(rec: dict[str, Any], key: str | None, where: str) -> None:
-    if key is not None and not isinstance(rec.get(key), str):
-        found = "missing" if key not in rec else f"a {type(rec[key]).__name__}"
-        raise DataError(f"{where}: field {key!r} must be a string, it is {found}")
+def _check_key(rec: dict[str, Any], keys: str | Sequence[str] | None, where: str) -> None:
+    for key in [keys] if isinstance(keys, str) else keys or []:
+        if not isinstance(rec.get(key), str):
+            found = "missing" if key not in rec else f"a {type(rec[key]).__name__}"
+            raise DataError(f"{where}: field {key!r} must be a string, it is {found}")

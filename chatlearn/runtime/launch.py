@@ -35,6 +35,17 @@ logger = logging.getLogger("chatlearn")
 ALWAYS_EXCLUDED = [".venv", ".git", "output"]
 
 
+def record_keys(producer: BaseModule, args: dict[str, Any]) -> list[str]:
+    """The string fields every data record must hold for the producer: its prompt (``prompt_key``), and a
+    DPO pair's two responses (``chosen_key``, ``rejected_key``) when the producer reads pairs."""
+    keys = [args.get("prompt_key", "prompt")]
+    fields = getattr(producer.args_schema, "model_fields", {}) if producer.args_schema else {}
+    for name in ("chosen_key", "rejected_key"):
+        if name in fields:
+            keys.append(args.get(name, fields[name].default))
+    return keys
+
+
 def ray_runtime_env(cfg: ChatLearnConfig) -> dict[str, Any] | None:
     """`runtime_env` as Ray's runtime env, as ChatLearn builds it: pip, py_modules, excludes, the driver's
     PYTHONPATH, and the working_dir when it is not the current directory. (ChatLearn always uploads it; the
@@ -159,7 +170,7 @@ def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
     rt = cfg.runtime
     with_train_data = ENGINES[eng.name].needs_train_data
     producer_cfg = cfg.models[eng.plan.producer]
-    key = (producer_cfg.args_dict or {}).get("prompt_key", "prompt")
+    key = record_keys(eng.modules[eng.plan.producer], producer_cfg.args_dict or {})
     prompts = load_records(rt.data_path, key) if with_train_data else []
     wants_eval = rt.eval_episode_interval or rt.enable_eval_before_training or not with_train_data
     eval_prompts = load_records(rt.eval_data_path, key) if rt.eval_data_path and wants_eval else []
