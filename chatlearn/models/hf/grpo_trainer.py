@@ -8,7 +8,8 @@ Old log-probs (the ratio's denominator) are, by `old_logprobs`:
 * ``generation``: the policy's own log-probs of what it sampled. They are the trainer's log-probs too when the
   policy holds the trainer's weights (synced every episode, same dtype and temperature), and cost no pass.
 * ``trainer``: this module's `forward_step` in the score stage (ChatLearn HEAD's separate forward pass),
-  exact whatever the sync frequency. ``tests/test_grpo_engine.py`` checks the two agree.
+  exact whatever the sync frequency. ``tests/test_engines_unit.py`` (per token) and ``tests/test_engine_runs.py``
+  (a whole episode) check the two agree.
 """
 
 from typing import Literal
