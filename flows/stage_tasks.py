@@ -69,8 +69,9 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
     actor then only turns the scores into the experience (advantages)."""
     t0 = time.perf_counter()
     plan = run.plan
-    if not plan.final and not plan.scorers:
-        return RefBox(rollouts.refs, seconds=0.0)  # offline DPO: the producer's output is the experience
+    if not plan.final and not plan.scorers:  # offline DPO: the producer's output is the experience
+        refs = ray.get(run.stream().hold.remote(*rollouts.refs))
+        return RefBox(refs, seconds=time.perf_counter() - t0)
     if not plan.final:
         raise ValueError("the episode plan has no final model to merge the rollouts and the scores into")
     scorer_heads = {name: run.heads(name) for name in plan.scorers}

@@ -53,6 +53,16 @@ class StreamDataset:
         stats.update(num_samples=len(samples), relay_episodes=len(self.relay.episodes))
         return ray.put(samples), stats
 
+    def hold(self, *batches: Any) -> list[ray.ObjectRef]:
+        """Fresh refs, owned by this actor, to the given batches (refs or values).
+
+        The score stage of an engine with nothing to score (offline DPO) hands the producer's batches on as
+        the experience. Those refs would then have crossed two task boundaries since the actor that made them
+        returned them, and Ray lost track of such a ref once (the object was freed while still needed); an
+        object put here has the same life as every other stage's output: made by a live actor, one hop away.
+        """
+        return [ray.put(_resolve(b)) for b in batches]
+
     def save_relay(self, directory: str) -> str | None:
         if not self.relay.enabled:
             return None
