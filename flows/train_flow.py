@@ -74,11 +74,7 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
             sys.stderr.write(f"old log-probs: {src}\n")
         startup = time.perf_counter() - t_start
         sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
-        last = _run_episodes(cfg, run, groups, run_dir, resumed, startup)
-        if eng.plan.export in params:
-            last.update(params[eng.plan.export])
-            (run_dir / "summary.json").write_text(json.dumps(last, default=str, indent=1))
-        return last
+        return _run_episodes(cfg, run, groups, run_dir, resumed, startup, params.get(eng.plan.export, {}))
 
 
 def _parameter_counts(heads: dict[str, Any], trainers: list[str]) -> dict[str, dict[str, int]]:
@@ -112,7 +108,8 @@ def _released_bytes(groups: dict[str, ModelGroup]) -> int:
 
 
 def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], run_dir: Path,
-                  resumed: DataCheckpoint | None, startup_seconds: float = 0.0) -> dict:
+                  resumed: DataCheckpoint | None, startup_seconds: float = 0.0,
+                  summary_extra: dict[str, Any] | None = None) -> dict:
     rt = cfg.runtime
     store = DataCheckpointStore(run.data_checkpoint_path)
     first = resumed.episode + 1 if resumed is not None else 0
@@ -168,5 +165,6 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         path.parent.mkdir(parents=True, exist_ok=True)
         ray.get(groups[run.plan.export].heads[0].call.remote("export_hf", str(path)))
         last["final_policy"] = str(path)
+    last.update(summary_extra or {})  # e.g. the exported model's trainable/total parameters
     (run_dir / "summary.json").write_text(json.dumps(last, default=str, indent=1))
     return last

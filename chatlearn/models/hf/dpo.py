@@ -22,7 +22,7 @@ from chatlearn.models.hf.common import (
     load_tokenizer,
     response_logprobs,
 )
-from chatlearn.models.hf.ppo_trainer import OptimArgs, PPOPolicyTrainer
+from chatlearn.models.hf.ppo_trainer import OptimArgs, PPOPolicyTrainer, optimizer_step
 
 
 class PairArgs(HFModelArgs):
@@ -141,11 +141,7 @@ class DPOPolicyTrainer(PPOPolicyTrainer):
             stats["dpo_loss"] += float(loss.detach()) * share
             stats["reward_accuracy"] += st["reward_accuracy"] * share
             stats["reward_margin"] += st["reward_margin"] * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
-        self.optimizer.step()
-        stats["policy_lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        stats["policy_grad_norm"] = float(grad_norm)
+        stats.update(optimizer_step(self, a.max_grad_norm, "policy"))
         return stats
 
     @torch.no_grad()
@@ -200,11 +196,5 @@ class OnlineDPOPolicyTrainer(PPOPolicyTrainer):
             stats["dpo_loss"] += float(loss.detach()) * share
             stats["pair_accuracy"] += st["pair_accuracy"] * share
             stats["margin"] += st["margin"] * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm) if total else \
-            torch.zeros(())
-        if total:
-            self.optimizer.step()
-        stats["policy_lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        stats["policy_grad_norm"] = float(grad_norm)
+        stats.update(optimizer_step(self, a.max_grad_norm, "policy", skip=not total))
         return stats

@@ -21,7 +21,7 @@ from chatlearn.algorithms import masked_sum
 from chatlearn.algorithms.grpo import entropy_from_logits, k3_kl
 from chatlearn.algorithms.ppo import logprobs_from_logits
 from chatlearn.models.hf.common import response_logits, response_logprobs
-from chatlearn.models.hf.ppo_trainer import OptimArgs, PPOPolicyTrainer
+from chatlearn.models.hf.ppo_trainer import OptimArgs, PPOPolicyTrainer, optimizer_step
 
 
 class GRPOPolicyArgs(OptimArgs):
@@ -83,9 +83,5 @@ class GRPOPolicyTrainer(PPOPolicyTrainer):
             loss.backward()
             for k in keys[1:]:
                 stats[k] += st[k] * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
-        self.optimizer.step()
-        stats["policy_lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        stats["policy_grad_norm"] = float(grad_norm)
+        stats.update(optimizer_step(self, a.max_grad_norm, "policy"))
         return stats

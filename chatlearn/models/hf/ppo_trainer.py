@@ -79,6 +79,18 @@ def _scheduler(optimizer: torch.optim.Optimizer, args: OptimArgs, rt: RuntimeCon
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, args=args, total=total))
 
 
+def optimizer_step(module: HFModule, max_grad_norm: float, prefix: str, skip: bool = False) -> dict[str, float]:
+    """The end of every trainer's step: clip the gradients, step the optimizer (not when `skip`: the batch had
+    nothing to learn from) and the LR schedule. Returns `<prefix>_lr` (the rate this step used) and
+    `<prefix>_grad_norm` (0 when skipped)."""
+    grad_norm = 0.0 if skip else float(torch.nn.utils.clip_grad_norm_(module.model.parameters(), max_grad_norm))
+    if not skip:
+        module.optimizer.step()
+    lr = module.scheduler.get_last_lr()[0]
+    module.scheduler.step()
+    return {f"{prefix}_lr": lr, f"{prefix}_grad_norm": grad_norm}
+
+
 def _token_weights(data_list: list[dict]) -> list[float]:
     tokens = [float(mb["response_mask"].sum()) for mb in data_list]
     total = sum(tokens) or 1.0
@@ -120,11 +132,7 @@ class PPOPolicyTrainer(LoraTrainerMixin, HFModule):
             stats["policy_loss"] += float(loss.detach()) * w
             stats["clipfrac"] += st["clipfrac"] * w
             stats["approx_kl"] += st["approx_kl"] * w
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        self.optimizer.step()
-        stats["policy_lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        stats["policy_grad_norm"] = float(grad_norm)
+        stats.update(optimizer_step(self, self.args.max_grad_norm, "policy"))
         return stats
 
 
@@ -150,10 +158,6 @@ class PPOValueTrainer(HFModule):
             (loss * w).backward()
             stats["value_loss"] += float(loss.detach()) * w
             stats["vf_clipfrac"] += st["vf_clipfrac"] * w
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        self.optimizer.step()
-        stats["value_lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        stats["value_grad_norm"] = float(grad_norm)
+        stats.update(optimizer_step(self, self.args.max_grad_norm, "value"))
         return stats
 
