@@ -20,10 +20,10 @@ from prefect_ray.context import remote_options
 from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
 from chatlearn.models.hf.reward import score_samples, text_samples
 from chatlearn.runtime.evaluation import eval_metrics, eval_results
-from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle
+from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle, settle_peers
 from chatlearn.runtime.reporting import artifact_key
 from chatlearn.runtime.schedule import every
-from chatlearn.runtime.sync import copy_weights
+from chatlearn.runtime.sync import sync_routes
 from chatlearn.utils.imports import import_callable
 
 
@@ -40,6 +40,7 @@ def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
         # stream positions identify samples: per-sample seeds make responses independent of the batching
         outer.append(heads[r].generate.remote(idx, first_iteration + i, sample_ids=ids, group_size=run.group_size))
     refs = ray.get(outer)  # waits for generation; only the small refs owned by the actors come back
+    settle_peers()
     return RefBox(refs, seconds=time.perf_counter() - t0, num_batches=len(batches),
                   num_samples=sum(len(idx) for _, idx, _ in batches), first_iteration=first_iteration)
 
@@ -88,6 +89,7 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
         outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts[i], *extra, iteration=it,
                                                                      keep_inputs=True))
     refs = ray.get(outs)
+    settle_peers()
     return RefBox(refs, seconds=time.perf_counter() - t0)
 
 
@@ -100,6 +102,7 @@ def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int
                                                    group_size=run.group_size)
              for name in run.plan.trainers}
     results = dict(zip(calls, ray.get(list(calls.values())), strict=True))
+    settle_peers()
     for res in results.values():
         metrics.update({k: v for k, v in res.items() if k not in ("iteration", "num_steps", "num_samples")})
     first = results[run.plan.trainers[0]] if results else {}
@@ -113,16 +116,15 @@ def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int
 def sync(run: RunHandle, episode: int, trained: dict | None = None) -> dict[str, Any]:
     """Copy each trainer's weights into its inference model (every `sync_frequency` episodes).
 
-    Weights go trainer → object store → every actor of the inference model; nothing passes through Prefect.
-    `trained` is only there to order sync after train in the task graph.
+    Weights go over the routes planned at launch (collective groups, or the object store for modules with
+    their own get/set_weights; see `chatlearn.runtime.sync`); nothing passes through Prefect. `trained` is
+    only there to order sync after train in the task graph.
     """
     t0 = time.perf_counter()
-    synced = []
-    for src, dst in run.plan.sync:
-        if every(run.sync_frequency[dst], episode):
-            copy_weights(run.heads(src)[0], run.all_actors(dst))
-            synced.append(f"{src}->{dst}")
-    return {"synced": synced, "seconds": time.perf_counter() - t0}
+    due = [r for r in run.sync_routes if every(run.sync_frequency[r.dst], episode)]
+    stats = sync_routes(due, run.actor, concurrent=run.concurrent_comm, max_workers=run.param_sync_max_workers)
+    return {"synced": list(stats), "bytes": sum(s["bytes"] for s in stats.values()),
+            "seconds": time.perf_counter() - t0}
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE)
@@ -139,6 +141,7 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
         iteration = trained["iteration"]
         calls = {name: run.heads(name)[0].save_checkpoint.remote(iteration) for name in run.checkpoint_models}
         paths = dict(zip(calls, ray.get(list(calls.values())), strict=True))
+        settle_peers()
         relay_dir = os.path.join(run.data_checkpoint_path, "relay", f"iter_{iteration:07d}")
         relay_path = ray.get(run.stream().save_relay.remote(relay_dir))
     return {"paths": paths, "relay_path": relay_path, "seconds": time.perf_counter() - t0}
@@ -162,6 +165,7 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
             g = scorer[i % len(scorer)].forward.remote(g, is_eval=True, keep_inputs=True)
         outs.append(g)
     gen_refs = ray.get(outs)
+    settle_peers()
     if rule:  # the rule reward's tasks score the eval batches, in parallel
         scores = [f.result() for f in fan_out_rule(run, plan.evaluator, gen_refs)]
         out_batches = [{**b, "scores": torch.tensor(s, dtype=torch.float32)}

@@ -30,13 +30,13 @@ from chatlearn.checkpoint.resume import (
     resume_point,
 )
 from chatlearn.config import ChatLearnConfig
-from chatlearn.runtime.handles import RunHandle
+from chatlearn.runtime.handles import RunHandle, settle_peers
 from chatlearn.runtime.launch import launch
 from chatlearn.runtime.model_group import ModelGroup
 from chatlearn.runtime.placement import table_text
 from chatlearn.runtime.plan import resolve_engine
 from chatlearn.runtime.reporting import EpisodeReporter, artifact_key
-from chatlearn.runtime.sync import copy_weights
+from chatlearn.runtime.sync import sync_routes
 from chatlearn.utils.faults import crash_point
 from flows.episode_flow import episode_flow
 from flows.prevalidated import ConfigParam, PrevalidatedFlow
@@ -56,17 +56,19 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
         heads = {name: group.heads[0] for name, group in groups.items()}
         if resumed is not None:
             load_model_checkpoints([heads[m] for m in eng.plan.trainers], resumed.train_iteration)
+            settle_peers()
             restore_driver_and_relay(resumed, stream)
             msg = (f"resuming after episode {resumed.episode + 1} (trainer iteration {resumed.train_iteration}, "
                    f"{resumed.consumed_samples} samples consumed) from {run.data_checkpoint_path}")
             get_run_logger().info(msg)
             sys.stderr.write(msg + "\n")  # the terminal shows it whatever the Prefect log level
         # ChatLearn syncs all parameters once before the first episode: inference copies start as the trainers.
-        for src, dst in eng.plan.sync:
-            copy_weights(heads[src], groups[dst].actors)
+        sync_routes(run.sync_routes, run.actor, concurrent=run.concurrent_comm,
+                    max_workers=run.param_sync_max_workers)
         if resumed is not None:  # inference copies that may lag their trainer come from their own checkpoint
             lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
             load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
+            settle_peers()
         params = _parameter_counts(heads, eng.plan.trainers)
         if eng.name == "grpo":  # say where the ratio's old log-probs come from
             src = ("the trainer's forward pass in the score stage" if eng.plan.trainers[0] in eng.plan.scorers
@@ -80,6 +82,7 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
 def _parameter_counts(heads: dict[str, Any], trainers: list[str]) -> dict[str, dict[str, int]]:
     """Trainable vs total parameters of each trainer (LoRA trains a small share), printed once."""
     infos = dict(zip(trainers, ray.get([heads[m].call.remote("info") for m in trainers]), strict=True))
+    settle_peers()
     out = {}
     for name, info in infos.items():
         if "trainable_params" in info:
@@ -164,6 +167,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         path = run_dir / "final" / "policy"
         path.parent.mkdir(parents=True, exist_ok=True)
         ray.get(groups[run.plan.export].heads[0].call.remote("export_hf", str(path)))
+        settle_peers()
         last["final_policy"] = str(path)
     last.update(summary_extra or {})  # e.g. the exported model's trainable/total parameters
     (run_dir / "summary.json").write_text(json.dumps(last, default=str, indent=1))

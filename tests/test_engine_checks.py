@@ -139,9 +139,17 @@ def test_multi_process_replicas_need_a_module_that_takes_them():
     problems, _ = check("models.reference.num_cpu=2", "models.reference.cpu_per_process=1",
                         "models.reference.num_replica=1")
     assert problems == [
-        "models.reference.num_cpu: 2 with cpu_per_process=1 gives 2 processes per replica (1 replica(s)), but "
-        "ReferenceModel runs a replica in one process (data/tensor/pipeline parallel is not supported by it yet): "
-        "set cpu_per_process to num_cpu / replicas, use more replicas, or a module with multi_process = True"]
+        "models.reference.num_cpu: 2 with cpu_per_process=1 gives 2 processes per replica (1 replica(s)), but an "
+        "inference replica of ReferenceModel splits only by tensor parallel (tensor_model_parallel_size=1): set "
+        "tensor_model_parallel_size to 2, or cpu_per_process so that a replica is one process (more replicas are "
+        "data parallel)"]
+    assert check("models.reference.num_cpu=2", "models.reference.tensor_model_parallel_size=2")[0] == []
+    two = ("models.ppo_policy.num_cpu=2", "models.ppo_policy.cpu_per_process=1")
+    assert check(*two, "models.ppo_policy.zero_size=2")[0] == []
+    assert check(*two)[0] == []  # data parallel
+    assert check(*two, "models.ppo_policy.pipeline_model_parallel_size=2")[0] == [
+        "models.ppo_policy.pipeline_model_parallel_size: 2: pipeline parallel is not supported by the built-in "
+        "modules yet (use tensor_model_parallel_size or zero_size)"]
 
 
 def check_config(name, *overrides):

@@ -68,7 +68,8 @@ def models_to_checkpoint(cfg: ChatLearnConfig, trainers: Sequence[str], sync: It
 
 
 def load_model_checkpoints(actors: Iterable[Any], iteration: int) -> None:
-    """Each actor (the head of a model) loads its own checkpoint of trainer iteration `iteration`."""
+    """Each model (a replica handle: all its ranks; the caller settles the other ranks) loads its own
+    checkpoint of trainer iteration `iteration`."""
     ray.get([actor.load_checkpoint.remote(iteration) for actor in actors])
 
 

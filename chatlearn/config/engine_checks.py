@@ -175,8 +175,9 @@ def _module_class(name: str, cfg: ChatLearnConfig, modules: Mapping[str, Any], e
 
 def _layout(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
     """A replica of several processes needs a module that works with them (``multi_process = True``: it uses
-    its ``process_group``); the built-in modules run a replica in one process, so they refuse it plainly
-    instead of silently idling processes."""
+    its ``process_group``/``parallel``). The built-in modules take data parallel and ZeRO for trainers and
+    tensor parallel for every model (:mod:`chatlearn.models.parallel`); what they cannot do yet is refused
+    here, naming the field, instead of silently idling processes."""
     problems = []
     for name in names:
         m = cfg.models[name]
@@ -184,15 +185,39 @@ def _layout(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], 
             continue  # reported by the config's own checks
         layout = m.layout
         cls = _module_class(name, cfg, modules, engine)
-        if layout.processes > 1 and cls is not None and not getattr(cls, "multi_process", False):
-            unit, per = ("num_gpu", "gpu_per_process") if m.num_gpu else ("num_cpu", "cpu_per_process")
+        if layout.processes < 2 or cls is None:
+            continue
+        unit, per = ("num_gpu", "gpu_per_process") if m.num_gpu else ("num_cpu", "cpu_per_process")
+        shape = (f"models.{name}.{unit}: {getattr(m, unit)} with {per}={getattr(m, per)} gives {layout.processes} "
+                 f"processes per replica ({layout.replicas} replica(s))")
+        if not getattr(cls, "multi_process", False):
             problems.append(
-                f"models.{name}.{unit}: {getattr(m, unit)} with {per}={getattr(m, per)} gives {layout.processes} "
-                f"processes per replica ({layout.replicas} replica(s)), but {cls.__name__} runs a replica in one "
-                f"process (data/tensor/pipeline parallel is not supported by it yet): set {per} to {unit} / "
-                f"replicas, use more replicas, or a module with multi_process = True"
-            )
+                f"{shape}, but {cls.__name__} runs a replica in one process (data/tensor/pipeline parallel is not "
+                f"supported by it yet): set {per} to {unit} / replicas, use more replicas, or a module with "
+                f"multi_process = True")
+            continue
+        if not _is_builtin(cls):
+            continue  # a user's multi-process module decides what its processes do
+        tp, pp, zero = m.tensor_model_parallel_size or 1, m.pipeline_model_parallel_size or 1, m.zero_size or 1
+        if pp > 1:
+            problems.append(f"models.{name}.pipeline_model_parallel_size: {pp}: pipeline parallel is not supported "
+                            f"by the built-in modules yet (use tensor_model_parallel_size or zero_size)")
+        elif layout.processes % (tp * zero):
+            problems.append(f"{shape}, not a multiple of tensor_model_parallel_size * zero_size = {tp * zero}")
+        elif not m.trainable and layout.processes != tp:
+            problems.append(
+                f"{shape}, but an inference replica of {cls.__name__} splits only by tensor parallel "
+                f"(tensor_model_parallel_size={tp}{', zero_size is for trainers' if zero > 1 else ''}): set "
+                f"tensor_model_parallel_size to {layout.processes}, or {per} so that a replica is one process "
+                f"(more replicas are data parallel)")
+        elif m.lora.enable_lora:
+            problems.append(f"models.{name}.lora.enable_lora: LoRA on a replica of several processes is not "
+                            f"supported yet ({shape})")
     return problems
+
+
+def _is_builtin(cls: type) -> bool:
+    return cls.__module__.startswith("chatlearn.")
 
 
 def _warn_offload_without_colocation(cfg: ChatLearnConfig, names: list[str]) -> None:

@@ -39,6 +39,8 @@ class BaseModule:
         self.process_group: Any = None
         self.rank = 0
         self.replica_size = 1
+        # the replica's layout and per-dimension groups (chatlearn.models.parallel), when it has several
+        self.parallel: Any = None
 
     # -- wiring done by the framework, before setup() -------------------------------------------------------
     def bind(self, module_args: ModelConfig, runtime_args: RuntimeConfig, replica_id: int, seed: int) -> None:

@@ -5,10 +5,12 @@ implements weight export/import for parameter sync and safetensors checkpoints f
 """
 
 import resource
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from chatlearn.checkpoint.dist_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from chatlearn.checkpoint.model_checkpoint import (
     capture_rng_state,
     load_model_checkpoint,
@@ -16,6 +18,7 @@ from chatlearn.checkpoint.model_checkpoint import (
     save_model_checkpoint,
 )
 from chatlearn.models.base_module import BaseModule
+from chatlearn.models.parallel import clip_grad_norm, full_tensor, load_full_tensor, parallelize
 from chatlearn.utils.devices import fake_gpus
 
 
@@ -24,6 +27,17 @@ class TorchModule(BaseModule):
 
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
+    # what train steps call: a DDP wrapper of `model` under plain data parallel, else `model` itself
+    train_model: torch.nn.Module | None = None
+    # whether weights can sync over collective groups (`sync_sources`/`sync_targets`); a subclass that
+    # overrides get_weights/set_weights without those syncs through the object store, by its own methods
+    collective_sync: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if ("get_weights" in cls.__dict__ and "sync_sources" not in cls.__dict__) or (
+                "set_weights" in cls.__dict__ and "sync_targets" not in cls.__dict__):
+            cls.collective_sync = False
 
     @property
     def device(self) -> torch.device:
@@ -36,16 +50,73 @@ class TorchModule(BaseModule):
         torch.set_num_threads(max(1, int(threads)))
         torch.manual_seed(seed)
 
-    # -- parameter sync -------------------------------------------------------------------------------------
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        """The weights to hand to the inference copies (CPU tensors, detached)."""
+    # -- parallel layouts -----------------------------------------------------------------------------------
+    def parallelize(self) -> None:
+        """Apply the replica's layout (data parallel, ZeRO, tensor parallel) to ``self.model``; call it in
+        ``setup`` before building the optimizer. A replica of one process is left as it is."""
         assert self.model is not None
-        return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+        self.train_model = parallelize(self.model, self.parallel, self.trainable)
+
+    @property
+    def fwd(self) -> torch.nn.Module:
+        """The module to run in a train step's forward pass (the DDP wrapper when there is one)."""
+        assert self.model is not None
+        return self.train_model if self.train_model is not None else self.model
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank holds only shards of the weights (FSDP2 or tensor parallel)."""
+        return self.parallel is not None and any(isinstance(v, DTensor) for v in self.model.state_dict().values())
+
+    def data_shard(self, data_list: list[Any]):
+        """This rank's micro-batches of a global batch as ``(micro_batch, on)`` (see ``ParallelContext``)."""
+        if self.parallel is None:
+            return ((mb, 1.0) for mb in data_list)
+        return self.parallel.data_shard(self.fwd, data_list)
+
+    def sum_stats(self, stats: dict[str, float], keys: list[str] | tuple[str, ...]) -> dict[str, float]:
+        """Statistics accumulated over this rank's micro-batches, summed over the data-parallel ranks."""
+        return stats if self.parallel is None else self.parallel.sum_stats(stats, keys)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Finish the gradients (sum over data-parallel ranks where the wrapper did not) and clip them."""
+        assert self.model is not None
+        if self.parallel is None:
+            return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        self.parallel.finish_grads(self.model)
+        return clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm)
+
+    # -- parameter sync -------------------------------------------------------------------------------------
+    def sync_sources(self) -> dict[str, torch.Tensor]:
+        """The weights a collective sync sends, by name (DTensors are gathered tensor by tensor by the sync)."""
+        assert self.model is not None
+        return dict(self.model.state_dict())
+
+    def sync_targets(self) -> dict[str, torch.Tensor]:
+        """The tensors a collective sync writes into, in place, by name (DTensors get their local slice)."""
+        assert self.model is not None
+        return dict(self.model.state_dict())
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The weights to hand to the inference copies (whole CPU tensors, detached; gathered from shards on
+        every rank of a sharded replica)."""
+        assert self.model is not None
+        return {k: full_tensor(v).detach().to("cpu") for k, v in self.sync_sources().items()}
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load synced weights; every parameter must be present (a silent partial sync is a bug)."""
         assert self.model is not None
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if self.sharded:
+            targets = self.sync_targets()
+            missing = [k for k in targets if k not in weights]
+            unexpected = [k for k in weights if k not in targets]
+            if not missing and not unexpected:
+                with torch.no_grad():
+                    for k, t in targets.items():
+                        load_full_tensor(t, weights[k])
+                return
+        else:
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
         if missing or unexpected:
             raise RuntimeError(f"{self.name}: sync mismatch, missing={missing[:5]} unexpected={unexpected[:5]}")
 
@@ -53,8 +124,16 @@ class TorchModule(BaseModule):
     scheduler: Any = None
 
     def save_checkpoint(self, iteration: int) -> str | None:
-        """Weights (safetensors), optimizer, LR scheduler and RNG states, checksummed, written atomically."""
+        """Weights (safetensors), optimizer, LR scheduler and RNG states, checksummed, written atomically.
+
+        A sharded replica writes a torch distributed checkpoint (every rank its shards); a data-parallel
+        replica's rank 0 writes the usual one (the other ranks hold the same state)."""
         if self.model is None:
+            return None
+        if self.sharded:
+            return save_sharded(self.checkpoint_dir(iteration), self.model, self.optimizer, self.scheduler,
+                                self.process_group, meta={"model": self.name, "iteration": iteration})
+        if self.rank != 0:
             return None
         return save_model_checkpoint(
             self.checkpoint_dir(iteration),
@@ -66,12 +145,24 @@ class TorchModule(BaseModule):
         )
 
     def load_checkpoint(self, iteration: int) -> None:
-        """Restore what `save_checkpoint(iteration)` wrote, after verifying its checksums (no unpickling)."""
+        """Restore what `save_checkpoint(iteration)` wrote, after verifying its checksums (no unpickling).
+
+        A sharded checkpoint loads into any layout (another world size, or one process)."""
         assert self.model is not None
-        state = load_model_checkpoint(self.checkpoint_dir(iteration), map_location=self.device)
-        self.model.load_state_dict(state["weights"], strict=True)
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        path = self.checkpoint_dir(iteration)
+        if is_sharded_checkpoint(path):
+            load_sharded(path, self.model, self.optimizer, self.scheduler, self.process_group)
+            return
+        state = load_model_checkpoint(path, map_location=self.device)
+        if self.sharded:
+            self.set_weights(state["weights"])
+            if self.optimizer is not None and state["optimizer"] is not None:
+                raise RuntimeError(f"{path}: a single-process checkpoint's optimizer state cannot load into the "
+                                   f"sharded {self.name} (resume with the layout that wrote it)")
+        else:
+            self.model.load_state_dict(state["weights"], strict=True)
+            if self.optimizer is not None and state["optimizer"] is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if state["rng"] is not None:

@@ -69,7 +69,7 @@ class ModelActor:
             if group_size > 1:
                 batch["group_id"] = [sid // group_size for sid in batch["sample_id"]]
         out = self.module.eval_step(batch) if is_eval else self.module.forward_step(batch, iteration)
-        return ray.put(out)
+        return self._own(out)
 
     # -- inference on upstream outputs ----------------------------------------------------------------------
     def forward(self, *inputs: Any, iteration: int = 0, is_eval: bool = False, keep_inputs: bool = False):
@@ -78,7 +78,12 @@ class ModelActor:
         out = self.module.eval_step(data) if is_eval else self.module.forward_step(data, iteration)
         if keep_inputs:
             out = merge_batches(data, out)
-        return ray.put(out)
+        return self._own(out)
+
+    def _own(self, out: Any) -> ray.ObjectRef | None:
+        """Put a batch result in the object store, owned by this actor; the other ranks of a multi-process
+        replica computed the same result with rank 0 (or helped it), so only rank 0's is kept."""
+        return ray.put(out) if self.module.rank == 0 else None
 
     # -- training -------------------------------------------------------------------------------------------
     def train(self, samples: list[dict[str, Any]], episode: int, start_iteration: int,

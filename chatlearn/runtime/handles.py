@@ -13,6 +13,7 @@ import ray
 from pydantic import BaseModel, Field
 
 from chatlearn.runtime.plan import EpisodePlan
+from chatlearn.runtime.sync import SyncRoute
 
 
 class RuleSpec(BaseModel):
@@ -46,14 +47,21 @@ class RunHandle(BaseModel):
     placement: list[dict[str, Any]] = Field(default_factory=list, description="one row per worker process")
     rule_rewards: dict[str, "RuleSpec"] = Field(default_factory=dict,
                                                 description="rule rewards scored by fanned-out Prefect tasks")
+    sync_routes: list[SyncRoute] = Field(default_factory=list, description="trainer -> inference weight routes")
+    concurrent_comm: bool = True
+    param_sync_max_workers: int | None = None
+
+    def actor(self, process: str) -> Any:
+        """A worker process of the run, by name."""
+        return ray.get_actor(process, namespace=self.namespace)
 
     def stream(self) -> Any:
         """The run's StreamDataset actor."""
         return ray.get_actor(self.stream_actor, namespace=self.namespace)
 
-    def heads(self, model: str) -> list["ModelHandle"]:
-        """Rank 0 of every replica of `model`."""
-        return [self._handle(model, rep[0]) for rep in self.actors[model]]
+    def heads(self, model: str) -> list["ReplicaHandle"]:
+        """Every replica of `model`, called as one (all its ranks get each call; rank 0's result is returned)."""
+        return [ReplicaHandle([self._handle(model, n) for n in rep]) for rep in self.actors[model]]
 
     def all_actors(self, model: str) -> list["ModelHandle"]:
         """Every rank of every replica of `model`."""
@@ -81,6 +89,47 @@ class ModelHandle:
 
     def __repr__(self) -> str:
         return f"ModelHandle({self.model} in {self.process})"
+
+
+# Results of the ranks other than 0 of replica calls made in this process, checked by `settle_peers`.
+_PEERS: list[Any] = []
+
+
+def settle_peers() -> None:
+    """Wait for the other ranks of every replica call made so far; raises the first error among them."""
+    refs = list(_PEERS)
+    _PEERS.clear()
+    if refs:
+        ray.get(refs)
+
+
+class ReplicaHandle:
+    """All ranks of one model replica, called as one: ``replica.train.remote(...)`` sends the call to every
+    rank (a replica of several processes runs it together: DDP, FSDP2, tensor parallel) and returns rank 0's
+    ObjectRef; the other ranks' refs are kept for :func:`settle_peers`. For a one-process replica this is
+    the rank's own handle."""
+
+    def __init__(self, ranks: list[ModelHandle]):
+        self.ranks = ranks
+        self.actor, self.model, self.process = ranks[0].actor, ranks[0].model, ranks[0].process
+
+    def __getattr__(self, method: str) -> "_ReplicaMethod":
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _ReplicaMethod(self.ranks, method)
+
+    def __repr__(self) -> str:
+        return f"ReplicaHandle({self.model} in {','.join(r.process for r in self.ranks)})"
+
+
+class _ReplicaMethod:
+    def __init__(self, ranks: list[ModelHandle], method: str):
+        self.ranks, self.method = ranks, method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        refs = [getattr(r, self.method).remote(*args, **kwargs) for r in self.ranks]
+        _PEERS.extend(refs[1:])
+        return refs[0]
 
 
 class _ModelMethod:

@@ -27,6 +27,7 @@ from chatlearn.runtime.model_group import ModelGroup, Workers, cluster_nodes, se
 from chatlearn.runtime.placement import NodeSpec, plan_placement
 from chatlearn.runtime.plan import ResolvedEngine
 from chatlearn.runtime.stream_dataset import StreamDataset
+from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route
 from chatlearn.utils.devices import fake_gpus
 
 logger = logging.getLogger("chatlearn")
@@ -131,7 +132,30 @@ def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, pre
         checkpoint_models=models_to_checkpoint(cfg, plan.trainers, plan.sync) if plan.trainers else [],
         eval_post_process_fn=rt.eval_post_process_fn,
         rule_rewards=rule_rewards(cfg, eng),
+        sync_routes=sync_routes_of(cfg, eng, workers),
+        concurrent_comm=rt.concurrent_comm, param_sync_max_workers=rt.param_sync_max_workers,
     )
+
+
+def sync_routes_of(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers) -> list[SyncRoute]:
+    """Plan each (trainer, inference) pair's weight route, check the two models' tensors agree (names, shapes,
+    dtypes: a mismatch is an error now, not at the first sync) and join the sync groups (unless
+    ``free_sync_collective_group``: then each sync joins and leaves its own)."""
+    by_name = {workers.names[pid]: a for pid, a in workers.actors.items()}
+    routes = []
+    for src, dst in eng.plan.sync:
+        sg, dg = workers.groups[src], workers.groups[dst]
+        collective = all(getattr(type(eng.modules[m]), "collective_sync", False) for m in (src, dst))
+        route = plan_route(src, dst, [h.process for h in sg.replicas[0]],
+                           [[h.process for h in rep] for rep in dg.replicas], collective, cfg.runtime)
+        if collective:
+            src_specs, dst_specs = ray.get([by_name[route.src_ranks[0]].sync_specs.remote(src, "src"),
+                                            by_name[route.dst_ranks[0][0]].sync_specs.remote(dst, "dst")])
+            route.specs = check_specs(route, src_specs, dst_specs)
+            if not route.free_group:
+                connect(route, by_name.__getitem__)
+        routes.append(route)
+    return routes
 
 
 def rule_rewards(cfg: ChatLearnConfig, eng: ResolvedEngine) -> dict[str, RuleSpec]:

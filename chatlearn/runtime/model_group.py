@@ -17,7 +17,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from chatlearn.config import ChatLearnConfig
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.handles import ModelHandle
+from chatlearn.models.parallel import DIMS, ParallelDims
+from chatlearn.runtime.handles import ModelHandle, ReplicaHandle
 from chatlearn.runtime.placement import NodeSpec, PlacementError, PlacementPlan
 from chatlearn.runtime.worker import Worker
 
@@ -39,9 +40,10 @@ class ModelGroup:
         return [a for rep in self.replicas for a in rep]
 
     @property
-    def heads(self) -> list[ModelHandle]:
-        """Rank 0 of each replica: where batches are dispatched."""
-        return [rep[0] for rep in self.replicas]
+    def heads(self) -> list[ReplicaHandle]:
+        """Each replica, called as one (every rank gets the call, rank 0's result is returned): where batches
+        are dispatched."""
+        return [ReplicaHandle(rep) for rep in self.replicas]
 
     @property
     def num_replica(self) -> int:
@@ -113,7 +115,7 @@ def start_workers(plan: PlacementPlan, node_ids: list[str], cfg: ChatLearnConfig
                 worker = ray.remote(Worker).options(**opts)
                 workers.actors[p.id] = worker.remote(members, cfg.runtime, p.cpus, colocated)
                 workers.names[p.id] = name
-        _join_worlds(plan, workers)
+        _join_worlds(plan, workers, cfg)
         for name, reps in plan.models.items():
             workers.groups[name] = ModelGroup(name, [[ModelHandle(workers.actors[r.process], name,
                                                                   workers.names[r.process]) for r in rep]
@@ -124,21 +126,41 @@ def start_workers(plan: PlacementPlan, node_ids: list[str], cfg: ChatLearnConfig
         raise
 
 
-def _join_worlds(plan: PlacementPlan, workers: Workers) -> None:
-    """Units of several processes form one torch.distributed world each; every multi-process replica gets a
-    group in it (created by all ranks, in the same order)."""
+def _join_worlds(plan: PlacementPlan, workers: Workers, cfg: ChatLearnConfig) -> None:
+    """Units of several processes form one torch.distributed world each. Every multi-process replica gets a
+    group in it, and one group per parallel dimension of size > 1 (data, ZeRO shard, tensor, pipeline; see
+    :mod:`chatlearn.models.parallel`). torch requires every rank of a world to create every group, in the same
+    order, so the driver lists them once and hands each rank the indices of its own."""
     calls = []
     for unit in plan.units:
         if len(unit.processes) < 2:
             continue
-        replica_ranks = {(m, i): tuple(plan.processes[r.process].unit_rank for r in rep) for m in unit.models
-                         for i, rep in enumerate(plan.models[m]) if len(rep) > 1}
-        groups = sorted(set(replica_ranks.values()))
+        groups: list[tuple[int, ...]] = []
+        layouts: dict[tuple[str, int], dict[str, Any]] = {}
+
+        def index(g: tuple[int, ...], groups: list[tuple[int, ...]] = groups) -> int:
+            if g not in groups:
+                groups.append(g)
+            return groups.index(g)
+
+        for m in unit.models:
+            mc = cfg.models[m]
+            for i, rep in enumerate(plan.models[m]):
+                if len(rep) < 2:
+                    continue
+                ranks = tuple(plan.processes[r.process].unit_rank for r in rep)
+                dims = ParallelDims.of(len(rep), mc.tensor_model_parallel_size or 1, mc.zero_size or 1,
+                                       mc.pipeline_model_parallel_size or 1)
+                dim_groups = {}
+                for d in DIMS:
+                    if getattr(dims, d) > 1:
+                        dim_groups[d] = [index(tuple(ranks[k] for k in g)) for g in dims.groups(d)]
+                layouts[(m, i)] = {"ranks": list(ranks), "group": index(ranks), "dims": dims.__dict__,
+                                   "dim_groups": dim_groups}
         addr, port = ray.get(workers.actors[unit.processes[0]].free_port.remote())
         for pid in unit.processes:
             p = plan.processes[pid]
-            mine = {m: groups.index(replica_ranks[(m, replica)]) for m, replica, _ in p.members
-                    if (m, replica) in replica_ranks}
+            mine = {m: layouts[(m, replica)] for m, replica, _ in p.members if (m, replica) in layouts}
             calls.append(workers.actors[pid].init_distributed.remote(addr, port, len(unit.processes), p.unit_rank,
                                                                      [list(g) for g in groups], mine))
     ray.get(calls)

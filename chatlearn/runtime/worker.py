@@ -23,7 +23,9 @@ import torch.distributed as dist
 from chatlearn.config import ModelConfig, RuntimeConfig
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.memory import PARTS, MemoryManager
+from chatlearn.models.parallel import ParallelContext, ParallelDims
 from chatlearn.runtime.actor import ModelActor
+from chatlearn.runtime.param_sync import SyncGroup, transfer
 from chatlearn.utils.devices import fake_gpus
 
 # What each call needs resident; anything else needs only the weights. Grads are made by backward.
@@ -52,6 +54,7 @@ class Worker:
         self.memory: dict[str, MemoryManager] = {}
         self.released: dict[str, dict[str, int]] = {name: dict.fromkeys(PARTS, 0) for name in self.slots}
         self.world_rank = 0
+        self.sync_groups: dict[str, SyncGroup] = {}
 
     # -- torch.distributed ----------------------------------------------------------------------------------
     def free_port(self) -> tuple[str, int]:
@@ -62,9 +65,10 @@ class Worker:
         return ray.util.get_node_ip_address(), port
 
     def init_distributed(self, addr: str, port: int, world_size: int, rank: int, groups: list[list[int]],
-                         mine: dict[str, int]) -> str:
-        """Join the unit's world and make every replica group (all ranks create all ``groups``, in the same
-        order, as torch requires); model ``m`` here gets ``groups[mine[m]]``."""
+                         mine: dict[str, dict[str, Any]]) -> str:
+        """Join the unit's world and make every group (all ranks create all ``groups``, in the same order, as
+        torch requires); model ``m`` here gets its replica's group and one per parallel dimension, as
+        ``mine[m]`` lists them (see ``model_group._join_worlds``)."""
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
                           LOCAL_RANK=str(rank))
         backend = "nccl" if torch.cuda.is_available() and not fake_gpus() and ray.get_gpu_ids() else "gloo"
@@ -73,8 +77,15 @@ class Worker:
         self.world_rank = rank
         made = [dist.new_group(g, timeout=DIST_TIMEOUT) if len(g) < world_size else dist.group.WORLD
                 for g in groups]
-        for name, index in mine.items():
-            self.slots[name].module.bind_process_group(made[index], self.ranks[name][1], len(groups[index]))
+        for name, layout in mine.items():
+            rank_in_replica = self.ranks[name][1]
+            ctx = ParallelContext(ParallelDims(**layout["dims"]), rank_in_replica, layout["ranks"],
+                                  made[layout["group"]])
+            for dim, indices in layout["dim_groups"].items():
+                ctx.dim_groups[dim] = next(made[i] for i in indices if rank in groups[i])
+            module = self.slots[name].module
+            module.bind_process_group(made[layout["group"]], rank_in_replica, len(layout["ranks"]))
+            module.parallel = ctx
         return backend
 
     # -- per-model calls ------------------------------------------------------------------------------------
@@ -101,6 +112,42 @@ class Worker:
         if method not in _NO_HANDOVER:
             self._hand_over([name], _NEEDS.get(method, ("weights",)))
         return getattr(self.slots[name], method)(*args, **kwargs)
+
+    # -- parameter sync (chatlearn.runtime.sync) --------------------------------------------------------------
+    def sync_specs(self, name: str, role: str) -> list[tuple[str, list[int], str]]:
+        """(name, global shape, dtype) of what model ``name`` sends (``src``) or receives (``dst``) in a sync."""
+        self._hand_over([name], ("weights",))
+        module = self.slots[name].module
+        tensors = module.sync_sources() if role == "src" else module.sync_targets()
+        return [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()]
+
+    def join_sync_group(self, key: str, addr: str, port: int, rank: int, names: list[str], timeout_s: float) -> bool:
+        nccl = torch.cuda.is_available() and not fake_gpus() and bool(ray.get_gpu_ids())
+        self.sync_groups[key] = SyncGroup.join(key, addr, port, rank, len(names), names, timeout_s, nccl=nccl)
+        return True
+
+    def leave_sync_group(self, key: str) -> bool:
+        group = self.sync_groups.pop(key, None)
+        if group is not None:
+            group.close()
+        return True
+
+    def sync_weights(self, route: dict[str, Any], process: str) -> dict[str, Any]:
+        """This process's part of one route's sync (see ``chatlearn.runtime.sync``): gather and send when it
+        hosts the trainer, receive when it is a remote inference rank, copy in-process when both."""
+        src, dst = route["src"], route["dst"]
+        hosts_src = process in route["src_ranks"]
+        hosts_dst = any(process in rep for rep in route["dst_ranks"])
+        self._hand_over([m for m, here in ((src, hosts_src), (dst, hosts_dst)) if here], ("weights",))
+        specs = [(n, tuple(shape), getattr(torch, dtype)) for n, shape, dtype in route["specs"]]
+        group = self.sync_groups.get(route["key"]) if process in route["members"] else None
+        if process in route["members"] and group is None:
+            raise RuntimeError(f"param sync {route['key']}: {process} is not in its sync group (not joined)")
+        return transfer(specs, group=group,
+                        sources=self.slots[src].module.sync_sources() if hosts_src else None,
+                        targets=self.slots[dst].module.sync_targets() if hosts_dst else None,
+                        comm=route["comm"], coalesce=route["coalesce"], max_bytes=route["bucket_bytes"],
+                        debug=route["debug"])
 
     def copy_local(self, dst: str, src: str) -> bool:
         """Parameter sync between two models of this process: a plain copy, no serialization."""

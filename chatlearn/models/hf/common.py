@@ -91,6 +91,8 @@ class HFModule(TorchModule):
     embedded tiny model)."""
 
     args_schema = HFModelArgs
+    # a replica may span processes: data parallel and ZeRO (trainers), tensor parallel (see TorchModule)
+    multi_process = True
 
     def prepare_files(self, module_args: ModelConfig) -> None:
         ensure_model_files(self.args_schema.model_validate(module_args.args_dict or {}))

@@ -48,6 +48,7 @@ class PairReference(HFModule):
         self.tokenizer = load_tokenizer(self.args.model_path)
         self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
+        self.parallelize()
 
     def build_dataset(self, prompts, is_eval=False):
         a = self.args
@@ -116,7 +117,9 @@ class DPOPolicyTrainer(PPOPolicyTrainer):
 
     def _sequence_logprobs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.args.temperature
-        chosen = sequence_logprob(response_logprobs(self.model, batch, self.device, t),
+        # DDP prepares its gradient reduction in the wrapper's forward: once per backward, so the rejected
+        # pass runs on the module itself (same parameters, same hooks)
+        chosen = sequence_logprob(response_logprobs(self.fwd, batch, self.device, t),
                                   batch["response_mask"].to(self.device))
         rejected = sequence_logprob(response_logprobs(self.model, rejected_view(batch), self.device, t),
                                     batch["rejected_mask"].to(self.device))
@@ -132,8 +135,8 @@ class DPOPolicyTrainer(PPOPolicyTrainer):
         self.optimizer.zero_grad(set_to_none=True)
         total = sum(len(mb["response_ids"]) for mb in data_list)
         stats: dict[str, float] = {"dpo_loss": 0.0, "reward_accuracy": 0.0, "reward_margin": 0.0}
-        for mb in data_list:
-            share = len(mb["response_ids"]) / total  # the step is the mean over the global batch's pairs
+        for mb, on in self.data_shard(data_list):
+            share = len(mb["response_ids"]) / total * on  # the step is the mean over the global batch's pairs
             pc, pr = self._sequence_logprobs(mb)
             rc, rr = self._ref(mb)
             loss, st = dpo_loss(pc, pr, rc, rr, beta=a.dpo_weight, label_smoothing=a.label_smoothing, ipo=a.use_ipo)
@@ -141,6 +144,7 @@ class DPOPolicyTrainer(PPOPolicyTrainer):
             stats["dpo_loss"] += float(loss.detach()) * share
             stats["reward_accuracy"] += st["reward_accuracy"] * share
             stats["reward_margin"] += st["reward_margin"] * share
+        stats = self.sum_stats(stats, list(stats))
         stats.update(optimizer_step(self, a.max_grad_norm, "policy"))
         return stats
 
@@ -183,18 +187,23 @@ class OnlineDPOPolicyTrainer(PPOPolicyTrainer):
         pairs = [pairs_in_groups(mb["scores"], mb["group_id"]) for mb in data_list]
         total = sum(len(p) for p in pairs)
         stats: dict[str, float] = {"dpo_loss": 0.0, "pair_accuracy": 0.0, "margin": 0.0, "num_pairs": float(total)}
-        for mb, mb_pairs in zip(data_list, pairs, strict=True):
+        pairs_of = {id(mb): p for mb, p in zip(data_list, pairs, strict=True)}
+        for mb, on in self.data_shard(data_list):
+            mb_pairs = pairs_of[id(mb)]
             if not mb_pairs:
-                continue  # no ordered pair (all rewards tied): no signal, as ChatLearn skips such groups
+                if self.parallel is None:
+                    continue  # no ordered pair (all rewards tied): no signal, as ChatLearn skips such groups
+                mb_pairs, on = [(0, 0)], 0.0  # every rank runs its passes (collectives); this one adds nothing
             mask = mb["response_mask"].to(self.device)
-            lp = response_logprobs(self.model, mb, self.device, a.temperature).clamp(max=0)
+            lp = response_logprobs(self.fwd, mb, self.device, a.temperature).clamp(max=0)
             ref = mb["ref_logprobs"].to(self.device).clamp(max=0)
             s = sequence_logprob(lp, mask, length_normalize=True) - sequence_logprob(ref, mask, length_normalize=True)
             loss, st = online_dpo_loss(s, mb_pairs, beta=a.dpo_weight, ipo=a.use_ipo)
-            share = len(mb_pairs) / total
+            share = len(mb_pairs) / max(total, 1) * on
             (loss * share).backward()
             stats["dpo_loss"] += float(loss.detach()) * share
             stats["pair_accuracy"] += st["pair_accuracy"] * share
             stats["margin"] += st["margin"] * share
+        stats = self.sum_stats(stats, ["dpo_loss", "pair_accuracy", "margin"])
         stats.update(optimizer_step(self, a.max_grad_norm, "policy", skip=not total))
         return stats

@@ -61,27 +61,28 @@ class GRPOPolicyTrainer(PPOPolicyTrainer):
             stats["kl_loss"] = 0.0
         if a.entropy_coef > 0:
             stats["entropy"] = 0.0
-        for mb in data_list:
+        for mb, on in self.data_shard(data_list):
             mask = mb["response_mask"].to(self.device)
-            share = float(mask.sum()) / total
-            logits = response_logits(self.model, mb, self.device).float() / a.temperature
+            share = float(mask.sum()) / total * on
+            logits = response_logits(self.fwd, mb, self.device).float() / a.temperature
             logprobs = logprobs_from_logits(logits, mb["response_ids"].to(self.device)) * mask
             old = mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]
             loss, st = self.loss_fn(logprobs, old.to(self.device), mb["advantages"].to(self.device), mask,
                                     pos_clip_ratio=a.pos_clip_ratio, neg_clip_ratio=a.neg_clip_ratio,
                                     diff_clip_ratio=a.diff_clip_ratio, final_clip_ratio=a.final_clip_ratio,
                                     total_tokens=total)
-            stats["policy_loss"] += float(loss.detach())
+            stats["policy_loss"] += float(loss.detach()) * on
             if a.kl_coef > 0:
                 kl = masked_sum(k3_kl(logprobs, mb["ref_logprobs"].to(self.device)), mask) / total
                 loss = loss + a.kl_coef * kl
-                stats["kl_loss"] += float(kl.detach())
+                stats["kl_loss"] += float(kl.detach()) * on
             if a.entropy_coef > 0:
                 ent = masked_sum(entropy_from_logits(logits), mask) / total
                 loss = loss - a.entropy_coef * ent
-                stats["entropy"] += float(ent.detach())
-            loss.backward()
+                stats["entropy"] += float(ent.detach()) * on
+            (loss * on if on != 1.0 else loss).backward()
             for k in keys[1:]:
                 stats[k] += st[k] * share
+        stats = self.sum_stats(stats, list(stats))
         stats.update(optimizer_step(self, a.max_grad_norm, "policy"))
         return stats

@@ -69,6 +69,7 @@ from chatlearn.checkpoint.model_checkpoint import (
     save_model_checkpoint,
 )
 from chatlearn.config.model import LoraConfig
+from chatlearn.models.parallel import full_tensor
 
 __all__ = [
     "ADAPTER_NAME",
@@ -376,6 +377,12 @@ class LoraTrainerMixin:
             return super().get_weights()  # type: ignore[misc]
         return {k: v.detach().to("cpu") for k, v in merged_state_dict(self.model).items()}
 
+    def sync_sources(self) -> dict[str, torch.Tensor]:
+        """What a collective sync sends: the merged weights under plain HF names when LoRA is on."""
+        if not self.lora_enabled:
+            return super().sync_sources()  # type: ignore[misc]
+        return dict(merged_state_dict(self.model))
+
     # -- checkpoints ------------------------------------------------------------------------------------------
     def lora_base_dir(self) -> str:
         """Where the frozen base goes: ``<run_dir>/checkpoints/<name>/base``, a sibling of the iteration dirs."""
@@ -442,6 +449,12 @@ class LoraTrainerMixin:
     def export_hf(self, path: str) -> str:
         """Save a plain transformers model (merged when LoRA is on) and the tokenizer at ``path``, atomically:
         written to a temporary sibling and renamed into place, so ``path`` is never half-written."""
+        full = None
+        if self.parallel is not None and not self.lora_enabled:
+            # every rank gathers (a collective for sharded weights); rank 0 writes
+            full = {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}
+            if self.rank != 0:
+                return path
         tmp = f"{path}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -449,7 +462,7 @@ class LoraTrainerMixin:
             if self.lora_enabled:
                 _hf_model(self.model).save_pretrained(tmp, state_dict=merged_state_dict(self.model))
             else:
-                self.model.save_pretrained(tmp)
+                self.model.save_pretrained(tmp, state_dict=full)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
             if os.path.exists(path):

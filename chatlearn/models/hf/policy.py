@@ -82,6 +82,7 @@ class PolicyInference(HFModule):
         ensure_model_files(self.args)
         self.tokenizer = load_tokenizer(self.args.model_path)
         self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).eval()
+        self.parallelize()
 
     def build_dataset(self, prompts, is_eval=False):
         key = self.args.prompt_key

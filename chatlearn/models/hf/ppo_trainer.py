@@ -83,7 +83,7 @@ def optimizer_step(module: HFModule, max_grad_norm: float, prefix: str, skip: bo
     """The end of every trainer's step: clip the gradients, step the optimizer (not when `skip`: the batch had
     nothing to learn from) and the LR schedule. Returns `<prefix>_lr` (the rate this step used) and
     `<prefix>_grad_norm` (0 when skipped)."""
-    grad_norm = 0.0 if skip else float(torch.nn.utils.clip_grad_norm_(module.model.parameters(), max_grad_norm))
+    grad_norm = 0.0 if skip else module.clip_gradients(max_grad_norm)
     if not skip:
         module.optimizer.step()
     lr = module.scheduler.get_last_lr()[0]
@@ -109,6 +109,7 @@ class PPOPolicyTrainer(LoraTrainerMixin, HFModule):
         self.tokenizer = load_tokenizer(self.args.model_path)
         self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).train()
         self.maybe_apply_lora()  # before the optimizer: it only gets the adapters
+        self.parallelize()  # so is the layout: FSDP2 and TP replace the parameters
         self.optimizer = _adamw(self.model, self.args)
         self.scheduler = _scheduler(self.optimizer, self.args, self.runtime_args)
         # the DPO trainers (subclasses) have no registered policy loss
@@ -123,15 +124,18 @@ class PPOPolicyTrainer(LoraTrainerMixin, HFModule):
                 mb["advantages"] = adv
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {"policy_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0}
-        for mb, w in zip(data_list, _token_weights(data_list), strict=True):
+        weights = {id(mb): w for mb, w in zip(data_list, _token_weights(data_list), strict=True)}
+        for mb, on in self.data_shard(data_list):
+            w = weights[id(mb)] * on
             mask = mb["response_mask"].to(self.device)
-            logprobs = response_logprobs(self.model, mb, self.device, self.args.temperature)
+            logprobs = response_logprobs(self.fwd, mb, self.device, self.args.temperature)
             loss, st = self.loss_fn(logprobs, mb["logprobs"].to(self.device), mb["advantages"].to(self.device),
                                     mask, cliprange=self.args.cliprange)
             (loss * w).backward()
             stats["policy_loss"] += float(loss.detach()) * w
             stats["clipfrac"] += st["clipfrac"] * w
             stats["approx_kl"] += st["approx_kl"] * w
+        stats = self.sum_stats(stats, list(stats))
         stats.update(optimizer_step(self, self.args.max_grad_norm, "policy"))
         return stats
 
@@ -143,6 +147,7 @@ class PPOValueTrainer(HFModule):
         ensure_model_files(self.args)
         self.model = ValueNetwork(self.args.model_path, self.args.dtype, self.args.head_seed).to(self.device)
         self.model.train()
+        self.parallelize()
         self.optimizer = _adamw(self.model, self.args)
         self.scheduler = _scheduler(self.optimizer, self.args, self.runtime_args)
         self.loss_fn = get_value_loss(self.args.value_loss)
@@ -150,14 +155,17 @@ class PPOValueTrainer(HFModule):
     def train_step(self, data_list, iteration):
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {"value_loss": 0.0, "vf_clipfrac": 0.0}
-        for mb, w in zip(data_list, _token_weights(data_list), strict=True):
+        weights = {id(mb): w for mb, w in zip(data_list, _token_weights(data_list), strict=True)}
+        for mb, on in self.data_shard(data_list):
+            w = weights[id(mb)] * on
             mask = mb["response_mask"].to(self.device)
-            values = self.model(mb, self.device)
+            values = self.fwd(mb, self.device)
             loss, st = self.loss_fn(values, mb["values"].to(self.device), mb["returns"].to(self.device), mask,
                                     cliprange_value=self.args.cliprange_value)
             (loss * w).backward()
             stats["value_loss"] += float(loss.detach()) * w
             stats["vf_clipfrac"] += st["vf_clipfrac"] * w
+        stats = self.sum_stats(stats, list(stats))
         stats.update(optimizer_step(self, self.args.max_grad_norm, "value"))
         return stats
 

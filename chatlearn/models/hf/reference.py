@@ -11,6 +11,7 @@ class ReferenceModel(HFModule):
         ensure_model_files(self.args)
         self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
+        self.parallelize()
 
     @torch.no_grad()
     def forward_step(self, data, iteration):

@@ -157,6 +157,7 @@ class ModelReward(_ExperienceMixin, HFModule):
         self.model = AutoModelForSequenceClassification.from_pretrained(
             self.args.model_path, num_labels=1, dtype=getattr(torch, self.args.dtype)
         ).to(self.device).eval()
+        self.parallelize()
 
     @torch.no_grad()
     def score(self, data: dict) -> torch.Tensor:

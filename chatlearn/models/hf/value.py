@@ -37,6 +37,7 @@ class ValueModel(HFModule):
     def setup(self) -> None:
         ensure_model_files(self.args)
         self.model = ValueNetwork(self.args.model_path, self.args.dtype, self.args.head_seed).to(self.device).eval()
+        self.parallelize()
 
     @torch.no_grad()
     def forward_step(self, data, iteration):

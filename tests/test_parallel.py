@@ -1,0 +1,228 @@
+"""Multi-process replicas of the built-in modules (issue 9): data parallel, ZeRO (FSDP2) and tensor parallel
+give one process's loss and gradients; sharded checkpoints load into other world sizes; collective param sync
+leaves every inference replica equal to the trainer bit for bit, across shardings.
+
+Each layout runs the real `PPOPolicyTrainer` in the framework's worker processes (placement groups, one
+torch world per unit, groups per dimension) on gloo, against the same trainer in this process.
+"""
+
+import os
+
+import pytest
+import ray
+import torch
+
+from chatlearn.config import load_config
+from chatlearn.models.hf.policy import PolicyInference
+from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer
+from chatlearn.models.parallel import ParallelDims, full_tensor, tp_plan
+from chatlearn.runtime.model_group import cluster_nodes, setup_models, start_workers
+from chatlearn.runtime.param_sync import SyncError
+from chatlearn.runtime.placement import plan_placement
+from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route, sync_routes
+
+pytestmark = pytest.mark.integration
+
+
+class GradProbe(PPOPolicyTrainer):
+    """The PPO policy trainer, plus a look at its gradients after a step (whole tensors, gathered)."""
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {n: full_tensor(p.grad).detach().clone() for n, p in self.model.named_parameters()
+                if p.grad is not None}
+
+
+# workers cannot import this test file: ship GradProbe by value
+ray.cloudpickle.register_pickle_by_value(__import__(__name__))
+
+
+def model_args(path: str) -> dict:
+    # no clipping: the gradients themselves are compared
+    return {"model_path": path, "lr": 1e-3, "max_grad_norm": 1e6, "whiten_advantages": True}
+
+
+def config(models: dict, run_dir: str):
+    return load_config({"models": models, "runtime": {"sample_per_episode": 8, "train_micro_batch_size": 2,
+                                                      "train_global_batch_size": 8, "output_dir": run_dir,
+                                                      "exp_name": "parallel"}}, checks=[])
+
+
+def micro_batches(n: int = 4, width: int = 5, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        mask = torch.ones(2, width)
+        mask[i % 2, width - 1 - i % 3:] = 0  # ragged responses
+        out.append({"prompt_ids": torch.randint(4, 30, (2, 4), generator=g), "prompt_mask": torch.ones(2, 4),
+                    "response_ids": torch.randint(4, 30, (2, width), generator=g), "response_mask": mask,
+                    "logprobs": -torch.rand(2, width, generator=g) * 3 * mask,
+                    "advantages": torch.randn(2, width, generator=g) * mask})
+    return out
+
+
+def single_process_step(cfg, data):
+    module = GradProbe("ppo_policy")
+    module.bind(cfg.models["ppo_policy"], cfg.runtime, 0, cfg.runtime.seed)
+    module.setup()
+    stats = module.train_step([dict(mb) for mb in data], 0)
+    return module, stats, module.grads()
+
+
+def start(cfg, modules):
+    nodes, ids = cluster_nodes()
+    plan = plan_placement(cfg, list(modules), nodes)
+    workers = start_workers(plan, ids, cfg, modules)
+    setup_models(workers, True)
+    return workers
+
+
+LAYOUTS = {
+    "dp2": {"num_cpu": 2},
+    "zero2": {"num_cpu": 2, "zero_size": 2},
+    "tp2": {"num_cpu": 2, "tensor_model_parallel_size": 2},
+    "tp2xdp2": {"num_cpu": 4, "tensor_model_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_layout_gives_one_process_loss_and_gradients(ray_session, tiny_model_dir, tmp_path, layout):
+    shape = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(tiny_model_dir), **LAYOUTS[layout]}
+    cfg = config({"ppo_policy": shape}, str(tmp_path))
+    single_cfg = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1}},
+                        str(tmp_path))
+    data = micro_batches()
+    _, want_stats, want = single_process_step(single_cfg, data)
+    workers = start(cfg, {"ppo_policy": GradProbe("ppo_policy")})
+    try:
+        head = workers.groups["ppo_policy"].heads[0]
+        assert len(head.ranks) == shape["num_cpu"]
+        stats = ray.get(head.call.remote("train_step", data, 0))
+        got = ray.get(head.call.remote("grads"))
+    finally:
+        workers.kill()
+    for key in ("policy_loss", "clipfrac", "approx_kl", "policy_grad_norm"):
+        assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
+    assert got.keys() == want.keys()
+    worst = max(float((got[n] - want[n]).abs().max()) for n in want)
+    scale = max(float(want[n].abs().max()) for n in want)
+    assert worst <= 1e-6 * max(1.0, scale), f"{layout}: gradients differ by {worst}"
+
+
+def test_parallel_dims_number_ranks_tp_fastest():
+    dims = ParallelDims.of(8, tp=2, zero=2)
+    assert (dims.dp, dims.shard, dims.tp) == (2, 2, 2)
+    assert dims.coords(5) == {"pp": 0, "dp": 1, "shard": 0, "tp": 1}
+    assert dims.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert dims.groups("dp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    with pytest.raises(ValueError, match="not a multiple"):
+        ParallelDims.of(6, tp=4)
+
+
+def test_the_tp_plan_comes_from_transformers_config(tiny_model_dir):
+    from chatlearn.models.hf.common import load_causal_lm
+
+    plan = tp_plan(load_causal_lm(tiny_model_dir))
+    assert sorted({type(s).__name__ for s in plan.values()}) == ["ColwiseParallel", "RowwiseParallel"]
+    assert len(plan) == 7 * 4  # q, k, v, o, gate, up, down in each of the 4 layers
+    assert type(plan["model.layers.0.self_attn.o_proj"]).__name__ == "RowwiseParallel"
+
+
+def test_sharded_checkpoints_load_into_other_world_sizes(ray_session, tiny_model_dir, tmp_path):
+    """ZeRO 2 writes a torch distributed checkpoint; it loads into one process and into TP 2, equal."""
+    base = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(tiny_model_dir)}
+    data = micro_batches()
+    saved = {}
+    for name, layout in (("zero2", {"num_cpu": 2, "zero_size": 2}), ("tp2", {"num_cpu": 2,
+                                                                            "tensor_model_parallel_size": 2})):
+        cfg = config({"ppo_policy": {**base, **layout}}, str(tmp_path))
+        workers = start(cfg, {"ppo_policy": GradProbe("ppo_policy")})
+        try:
+            head = workers.groups["ppo_policy"].heads[0]
+            if name == "zero2":
+                ray.get(head.call.remote("train_step", data, 0))
+                path = ray.get(head.save_checkpoint.remote(3))
+                assert os.path.isfile(os.path.join(path, ".metadata"))
+                saved["weights"] = ray.get(head.get_weights.remote())
+            else:
+                ray.get(head.load_checkpoint.remote(3))
+                loaded = ray.get(head.get_weights.remote())
+                assert all(torch.equal(loaded[k], saved["weights"][k]) for k in saved["weights"])
+        finally:
+            workers.kill()
+    one = GradProbe("ppo_policy")
+    cfg = config({"ppo_policy": {**base, "num_cpu": 1}}, str(tmp_path))
+    one.bind(cfg.models["ppo_policy"], cfg.runtime, 0, cfg.runtime.seed)
+    one.setup()
+    one.load_checkpoint(3)
+    weights = one.get_weights()
+    assert all(torch.equal(weights[k], saved["weights"][k]) for k in saved["weights"])
+    # the optimizer state came along: one more identical step from both gives the same weights
+    assert one.optimizer.state_dict()["state"], "optimizer state not restored"
+
+
+def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float):
+    cfg = load_config({"models": {
+        "ppo_policy": {"trainable": True, "num_cpu": 2, "cpu_per_process": 1, "zero_size": 2,
+                       "args_dict": model_args(tiny_model_dir)},
+        "policy": {"num_cpu": 4, "cpu_per_process": 1, "tensor_model_parallel_size": 2,
+                   "args_dict": {"model_path": tiny_model_dir}}},
+        "runtime": {"sample_per_episode": 8, "output_dir": str(tmp_path), "param_sync_comm_type": comm,
+                    "coalesced_buffer_mb": 1, "debug": True}}, checks=[])
+    workers = start(cfg, {"ppo_policy": GradProbe("ppo_policy"), "policy": PolicyInference("policy")})
+    by_name = {workers.names[p]: a for p, a in workers.actors.items()}
+    src, dst = workers.groups["ppo_policy"], workers.groups["policy"]
+    route = plan_route("ppo_policy", "policy", [h.process for h in src.replicas[0]],
+                       [[h.process for h in rep] for rep in dst.replicas], True, cfg.runtime)
+    route.bucket_bytes = int(bucket_mb * 2**20)
+    route.timeout_s = 20
+    specs = ray.get([by_name[route.src_ranks[0]].sync_specs.remote("ppo_policy", "src"),
+                     by_name[route.dst_ranks[0][0]].sync_specs.remote("policy", "dst")])
+    route.specs = check_specs(route, *specs)
+    connect(route, by_name.__getitem__)
+    return workers, by_name, route
+
+
+@pytest.mark.parametrize(("comm", "bucket_mb"), [("broadcast", 0.1), ("p2p", 0.1), ("broadcast", 8.0)])
+def test_fsdp2_trainer_syncs_into_two_tp2_replicas_bit_exactly(ray_session, tiny_model_dir, tmp_path, comm,
+                                                               bucket_mb):
+    """ZeRO 2 trainer -> policy TP 2 x 2 replicas over one gloo group; buckets smaller (0.1 MiB) and larger
+    (8 MiB) than the largest tensor (the 0.26 MiB embedding); the debug check compares digests too."""
+    workers, by_name, route = _sync_setup(tiny_model_dir, tmp_path, comm, bucket_mb)
+    try:
+        src, dst = workers.groups["ppo_policy"], workers.groups["policy"]
+        ray.get(src.heads[0].call.remote("train_step", micro_batches(), 0))  # weights now differ from the files
+        want = ray.get(src.heads[0].get_weights.remote())
+        before = ray.get(dst.heads[1].get_weights.remote())
+        assert any(not torch.equal(before[k], want[k]) for k in want)
+        stats = sync_routes([route], by_name.__getitem__)[route.key]
+        assert stats["bytes"] == sum(t.numel() * t.element_size() for t in want.values())
+        for head in dst.heads:
+            got = ray.get(head.get_weights.remote())
+            assert all(torch.equal(got[k], want[k]) for k in want)
+            shards = ray.get(head.ranks[1].call.remote("sync_targets"))
+            assert any(type(t).__name__ == "DTensor" for t in shards.values())  # still TP-sharded
+    finally:
+        workers.kill()
+
+
+def test_a_killed_receiver_is_an_error_naming_the_group(ray_session, tiny_model_dir, tmp_path):
+    workers, by_name, route = _sync_setup(tiny_model_dir, tmp_path, "broadcast", 0.1)
+    try:
+        ray.kill(by_name[route.members[-1]], no_restart=True)
+        import time
+
+        t0 = time.monotonic()
+        with pytest.raises(SyncError, match=r"param sync ppo_policy->policy") as info:
+            sync_routes([route], by_name.__getitem__)
+        assert time.monotonic() - t0 < route.timeout_s + 35
+        assert route.members[-1] in str(info.value) or "rank" in str(info.value)
+    finally:
+        workers.kill()
+
+
+def test_mismatched_models_are_refused_at_setup():
+    route = SyncRoute(key="a->b", src="a", dst="b", src_ranks=["w0"], dst_ranks=[["w1"]])
+    with pytest.raises(SyncError, match=r"'x' is \[2, 3\] float32 in a but \[3, 2\] float32 in b"):
+        check_specs(route, [("x", [2, 3], "float32")], [("x", [3, 2], "float32")])
+    with pytest.raises(SyncError, match="b has 'y', which a does not"):
+        check_specs(route, [("x", [2], "float32")], [("y", [2], "float32")])
