@@ -98,15 +98,14 @@ def test_a_knob_that_a_module_cannot_honour_is_refused_by_the_checks_only(capsys
 
 def test_a_knob_that_only_tunes_speed_warns_once_and_runs():
     # in its own process: Python shows a warning once per place, so only a fresh process proves "once"
-    res = run("config", "--check", "runtime.coalesce_param=false", "runtime.param_sync_comm_type=p2p",
+    res = run("config", "--check", "runtime.nsys=true", "runtime.profiler_dir=prof",
               "runtime.colocation=[]", "models.value.free_memory=true")
     assert res.returncode == 0, res.stderr
     warnings = [line for line in res.stderr.splitlines() if line.startswith("chatlearn: warning:")]
     assert warnings == [
-        "chatlearn: warning: runtime.coalesce_param=False has no effect here: bucketed collective sync: not "
-        "implemented yet (sync goes through Ray's object store)",
-        "chatlearn: warning: runtime.param_sync_comm_type='p2p' has no effect here: broadcast/p2p collective sync: "
-        "not implemented yet",
+        "chatlearn: warning: runtime.nsys=True has no effect here: NVTX ranges for nsys: not implemented yet",
+        "chatlearn: warning: runtime.profiler_dir='prof' has no effect here: torch profiler traces: not implemented "
+        "yet",
         "chatlearn: warning: models.value.free_memory=True has no effect here: value is not in a colocation group "
         "(ChatLearn offloads only colocated models)",
     ]

@@ -226,3 +226,61 @@ def test_mismatched_models_are_refused_at_setup():
         check_specs(route, [("x", [2, 3], "float32")], [("x", [3, 2], "float32")])
     with pytest.raises(SyncError, match="b has 'y', which a does not"):
         check_specs(route, [("x", [2], "float32")], [("y", [2], "float32")])
+
+
+def _default_run(tmp_path, tiny_model_dir, name: str, extra: list[str]) -> list[dict]:
+    from flows import train_flow
+
+    overrides = [f"runtime.output_dir={tmp_path}", f"runtime.exp_name={name}", "runtime.num_episode=2",
+                 "runtime.eval_episode_interval=0", "runtime.enable_eval_before_training=false",
+                 "runtime.save_episode_interval=2", "runtime.sample_per_episode=64",
+                 "runtime.generation_batch_size=32", "runtime.train_micro_batch_size=16",
+                 "runtime.train_global_batch_size=32"]
+    for m in ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value"):
+        overrides += [f"models.{m}.cpu_per_process=1", f"models.{m}.args_dict.model_path={tiny_model_dir}"]
+    cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "default.yaml"),
+                      overrides + extra)
+    train_flow(cfg)
+    rows = [__import__("json").loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["episode"] for r in rows] == [0, 1]
+    return rows
+
+
+def test_default_with_zero2_trainers_and_tp2_policy_follows_the_single_process_run(
+        prefect_api, ray_session, tiny_model_dir, tmp_path):
+    """Two episodes of the embedded default: trainers ZeRO 2 (FSDP2), policy TP 2, all colocated in a 2-process
+    world (sync is an in-process copy of each rank's slice), sharded checkpoints at the end; against the same
+    run with the models in single processes (inference models then have 2 replicas)."""
+    parallel = ["models.ppo_policy.zero_size=2", "models.ppo_value.zero_size=2",
+                "models.policy.tensor_model_parallel_size=2"]
+    want = _default_run(tmp_path, tiny_model_dir, "single", ["models.ppo_policy.num_cpu=1",
+                                                             "models.ppo_value.num_cpu=1"])
+    got = _default_run(tmp_path, tiny_model_dir, "sharded", parallel)
+    for key in ("reward_mean", "policy_loss", "value_loss", "response_length_mean"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-6), key
+    ckpt = tmp_path / "sharded" / "checkpoints" / "ppo_policy"
+    assert any((p / ".metadata").is_file() for p in ckpt.iterdir())  # written sharded
+    ranks = __import__("json").loads((tmp_path / "sharded" / "placement.json").read_text())["ranks"]
+    assert [len(rep) for rep in ranks["policy"]] == [2] and [len(rep) for rep in ranks["ppo_policy"]] == [2]
+    single = __import__("json").loads((tmp_path / "single" / "placement.json").read_text())["ranks"]
+    assert [len(rep) for rep in single["policy"]] == [1, 1] and [len(rep) for rep in single["ppo_policy"]] == [1]
+
+
+def test_routes_run_in_waves_of_param_sync_max_workers(monkeypatch):
+    """concurrent_comm with param_sync_max_workers: at most that many routes in flight; none is a no-op."""
+    import chatlearn.runtime.sync as sync
+
+    events = []
+    routes = [SyncRoute(key=f"t{i}->p{i}", src=f"t{i}", dst=f"p{i}", src_ranks=["w"], dst_ranks=[["v"]])
+              for i in range(5)]
+    monkeypatch.setattr(sync, "start", lambda r, actor: events.append(("start", r.key)) or {"route": r})
+    monkeypatch.setattr(sync, "finish", lambda p, actor: events.append(("finish", p["route"].key)) or {})
+    assert sync_routes([], None) == {}
+    sync_routes(routes, None, concurrent=True, max_workers=2)
+    assert [e[0] for e in events] == ["start", "start", "finish", "finish"] * 2 + ["start", "finish"]
+    events.clear()
+    sync_routes(routes, None, concurrent=False)
+    assert [e[0] for e in events] == ["start", "finish"] * 5
+    events.clear()
+    sync_routes(routes, None, concurrent=True, max_workers=-1)
+    assert [e[0] for e in events] == ["start"] * 5 + ["finish"] * 5

@@ -174,8 +174,12 @@ def sync_routes(routes: list[SyncRoute], actor: Callable[[str], Any], concurrent
     """Run the routes: all at once with ``concurrent_comm`` (at most ``param_sync_max_workers`` in flight,
     None or -1: all), else one after another. Calls reach every process in the same route order, so routes
     that share processes cannot deadlock."""
-    width = len(routes) if concurrent and (max_workers is None or max_workers < 1) else \
-        (max(1, max_workers or 1) if concurrent else 1)
+    if not concurrent:
+        width = 1
+    elif max_workers is None or max_workers < 1:
+        width = max(1, len(routes))
+    else:
+        width = max_workers
     out: dict[str, dict[str, Any]] = {}
     for i in range(0, len(routes), width):
         wave = [start(r, actor) for r in routes[i:i + width]]
