@@ -147,9 +147,16 @@ def test_multi_process_replicas_need_a_module_that_takes_them():
     two = ("models.ppo_policy.num_cpu=2", "models.ppo_policy.cpu_per_process=1")
     assert check(*two, "models.ppo_policy.zero_size=2")[0] == []
     assert check(*two)[0] == []  # data parallel
-    assert check(*two, "models.ppo_policy.pipeline_model_parallel_size=2")[0] == [
-        "models.ppo_policy.pipeline_model_parallel_size: 2: pipeline parallel is not supported by the built-in "
-        "modules yet (use tensor_model_parallel_size or zero_size)"]
+    assert check(*two, "models.ppo_policy.pipeline_model_parallel_size=2")[0] == []
+    assert check("models.ppo_value.num_cpu=2", "models.ppo_value.cpu_per_process=1",
+                 "models.ppo_value.pipeline_model_parallel_size=2")[0] == [
+        "models.ppo_value.pipeline_model_parallel_size: 2: PPOValueTrainer does not run pipeline stages yet (the "
+        "policy, reference and PPO/GRPO policy trainers do; use tensor_model_parallel_size or zero_size)"]
+    assert check("models.ppo_policy.num_cpu=4", "models.ppo_policy.cpu_per_process=1",
+                 "models.ppo_policy.pipeline_model_parallel_size=2")[0] == [
+        "models.ppo_policy.num_cpu: 4 with cpu_per_process=1 gives 4 processes per replica (1 replica(s)), but "
+        "pipeline parallel next to tensor/data parallel or ZeRO is not supported yet: a pipeline replica has "
+        "pipeline_model_parallel_size = 2 processes"]
 
 
 def check_config(name, *overrides):

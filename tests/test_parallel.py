@@ -28,6 +28,15 @@ class GradProbe(PPOPolicyTrainer):
     """The PPO policy trainer, plus a look at its gradients after a step (whole tensors, gathered)."""
 
     def grads(self) -> dict[str, torch.Tensor]:
+        if self.pipelined:  # each stage has its own layers' gradients: broadcast them from their stage
+            ctx, params, out = self.parallel, dict(self.model.named_parameters()), {}
+            for stage in range(ctx.dims.pp):
+                for n in sorted(ctx.owned[stage]):
+                    g = params[n].grad
+                    buf = g.detach().clone() if g is not None else torch.zeros_like(params[n])
+                    torch.distributed.broadcast(buf, src=ctx.ranks[stage], group=ctx.dim_groups["pp"])
+                    out[n] = buf
+            return out
         return {n: full_tensor(p.grad).detach().clone() for n, p in self.model.named_parameters()
                 if p.grad is not None}
 
@@ -81,6 +90,7 @@ LAYOUTS = {
     "zero2": {"num_cpu": 2, "zero_size": 2},
     "tp2": {"num_cpu": 2, "tensor_model_parallel_size": 2},
     "tp2xdp2": {"num_cpu": 4, "tensor_model_parallel_size": 2},
+    "pp2": {"num_cpu": 2, "pipeline_model_parallel_size": 2},
 }
 
 
@@ -88,8 +98,8 @@ LAYOUTS = {
 def test_each_layout_gives_one_process_loss_and_gradients(ray_session, tiny_model_dir, tmp_path, layout):
     shape = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(tiny_model_dir), **LAYOUTS[layout]}
     cfg = config({"ppo_policy": shape}, str(tmp_path))
-    single_cfg = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1}},
-                        str(tmp_path))
+    single_cfg = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1,
+                                        "pipeline_model_parallel_size": 1}}, str(tmp_path))
     data = micro_batches()
     _, want_stats, want = single_process_step(single_cfg, data)
     workers = start(cfg, {"ppo_policy": GradProbe("ppo_policy")})
@@ -160,9 +170,9 @@ def test_sharded_checkpoints_load_into_other_world_sizes(ray_session, tiny_model
     assert one.optimizer.state_dict()["state"], "optimizer state not restored"
 
 
-def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float):
+def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float, trainer: str = "zero2"):
     cfg = load_config({"models": {
-        "ppo_policy": {"trainable": True, "num_cpu": 2, "cpu_per_process": 1, "zero_size": 2,
+        "ppo_policy": {"trainable": True, "cpu_per_process": 1, **LAYOUTS[trainer],
                        "args_dict": model_args(tiny_model_dir)},
         "policy": {"num_cpu": 4, "cpu_per_process": 1, "tensor_model_parallel_size": 2,
                    "args_dict": {"model_path": tiny_model_dir}}},
@@ -182,12 +192,13 @@ def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float):
     return workers, by_name, route
 
 
-@pytest.mark.parametrize(("comm", "bucket_mb"), [("broadcast", 0.1), ("p2p", 0.1), ("broadcast", 8.0)])
-def test_fsdp2_trainer_syncs_into_two_tp2_replicas_bit_exactly(ray_session, tiny_model_dir, tmp_path, comm,
-                                                               bucket_mb):
-    """ZeRO 2 trainer -> policy TP 2 x 2 replicas over one gloo group; buckets smaller (0.1 MiB) and larger
-    (8 MiB) than the largest tensor (the 0.26 MiB embedding); the debug check compares digests too."""
-    workers, by_name, route = _sync_setup(tiny_model_dir, tmp_path, comm, bucket_mb)
+@pytest.mark.parametrize(("comm", "bucket_mb", "trainer"), [("broadcast", 0.1, "zero2"), ("p2p", 0.1, "zero2"),
+                                                           ("broadcast", 8.0, "zero2"), ("p2p", 8.0, "pp2")])
+def test_sharded_trainer_syncs_into_two_tp2_replicas_bit_exactly(ray_session, tiny_model_dir, tmp_path, comm,
+                                                                 bucket_mb, trainer):
+    """ZeRO 2 (or PP 2) trainer -> policy TP 2 x 2 replicas over one gloo group; buckets smaller (0.1 MiB) and
+    larger (8 MiB) than the largest tensor (the 0.26 MiB embedding); the debug check compares digests too."""
+    workers, by_name, route = _sync_setup(tiny_model_dir, tmp_path, comm, bucket_mb, trainer)
     try:
         src, dst = workers.groups["ppo_policy"], workers.groups["policy"]
         ray.get(src.heads[0].call.remote("train_step", micro_batches(), 0))  # weights now differ from the files
@@ -284,3 +295,33 @@ def test_routes_run_in_waves_of_param_sync_max_workers(monkeypatch):
     events.clear()
     sync_routes(routes, None, concurrent=True, max_workers=-1)
     assert [e[0] for e in events] == ["start"] * 5 + ["finish"] * 5
+
+
+def test_pipeline_stages_generate_and_score_as_one_process(ray_session, tiny_model_dir, tmp_path):
+    """Policy in 2 pipeline stages: the same sampled responses (per-sample sampler) and log-probs as one
+    process; greedy eval too."""
+    import json
+
+    cfg = load_config({"models": {"policy": {"num_cpu": 2, "cpu_per_process": 1, "pipeline_model_parallel_size": 2,
+                                             "args_dict": {"model_path": tiny_model_dir, "max_new_tokens": 6}}},
+                       "runtime": {"sample_per_episode": 8, "output_dir": str(tmp_path)}}, checks=[])
+    records = [json.loads(line) for line in open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                                             "data", "max_digit_eval.jsonl"))][:6]
+    one = PolicyInference("policy")
+    one_cfg = cfg.models["policy"].model_copy(update={"pipeline_model_parallel_size": 1, "num_cpu": 1})
+    one.bind(one_cfg, cfg.runtime, 0, cfg.runtime.seed)
+    one.setup()
+    batch = one.collate_fn(records)
+    batch["sample_id"] = list(range(len(records)))
+    want, want_eval = one.forward_step(dict(batch), 3), one.eval_step(dict(batch))
+    workers = start(cfg, {"policy": PolicyInference("policy")})
+    try:
+        head = workers.groups["policy"].heads[0]
+        assert len(head.ranks) == 2
+        got = ray.get(head.call.remote("forward_step", dict(batch), 3))
+        got_eval = ray.get(head.call.remote("eval_step", dict(batch)))
+    finally:
+        workers.kill()
+    assert torch.equal(got["response_ids"], want["response_ids"]) and got["response"] == want["response"]
+    torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=1e-5, rtol=0)
+    assert torch.equal(got_eval["response_ids"], want_eval["response_ids"])

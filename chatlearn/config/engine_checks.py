@@ -199,12 +199,16 @@ def _layout(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], 
         if not _is_builtin(cls):
             continue  # a user's multi-process module decides what its processes do
         tp, pp, zero = m.tensor_model_parallel_size or 1, m.pipeline_model_parallel_size or 1, m.zero_size or 1
-        if pp > 1:
-            problems.append(f"models.{name}.pipeline_model_parallel_size: {pp}: pipeline parallel is not supported "
-                            f"by the built-in modules yet (use tensor_model_parallel_size or zero_size)")
+        if pp > 1 and not getattr(cls, "supports_pipeline", False):
+            problems.append(f"models.{name}.pipeline_model_parallel_size: {pp}: {cls.__name__} does not run "
+                            f"pipeline stages yet (the policy, reference and PPO/GRPO policy trainers do; use "
+                            f"tensor_model_parallel_size or zero_size)")
+        elif pp > 1 and layout.processes != pp:
+            problems.append(f"{shape}, but pipeline parallel next to tensor/data parallel or ZeRO is not supported "
+                            f"yet: a pipeline replica has pipeline_model_parallel_size = {pp} processes")
         elif layout.processes % (tp * zero):
             problems.append(f"{shape}, not a multiple of tensor_model_parallel_size * zero_size = {tp * zero}")
-        elif not m.trainable and layout.processes != tp:
+        elif not m.trainable and layout.processes != tp * pp:
             problems.append(
                 f"{shape}, but an inference replica of {cls.__name__} splits only by tensor parallel "
                 f"(tensor_model_parallel_size={tp}{', zero_size is for trainers' if zero > 1 else ''}): set "

@@ -26,6 +26,8 @@ class BaseModule:
     # True when the module works with a replica of several processes (it uses `process_group`); the
     # framework refuses multi-process layouts for modules that do not say so.
     multi_process: ClassVar[bool] = False
+    # True when a built-in module runs pipeline-parallel replicas (pipeline_model_parallel_size > 1)
+    supports_pipeline: ClassVar[bool] = False
 
     def __init__(self, name: str):
         self.name = name

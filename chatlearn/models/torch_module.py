@@ -18,7 +18,14 @@ from chatlearn.checkpoint.model_checkpoint import (
     save_model_checkpoint,
 )
 from chatlearn.models.base_module import BaseModule
-from chatlearn.models.parallel import clip_grad_norm, full_tensor, load_full_tensor, parallelize
+from chatlearn.models.parallel import (
+    PipelinedLM,
+    clip_grad_norm,
+    full_tensor,
+    gather_stages,
+    load_full_tensor,
+    parallelize,
+)
 from chatlearn.utils.devices import fake_gpus
 
 
@@ -64,9 +71,28 @@ class TorchModule(BaseModule):
         return self.train_model if self.train_model is not None else self.model
 
     @property
+    def pipelined(self) -> bool:
+        """Whether the replica is split into pipeline stages (each process trains its own layers)."""
+        return self.parallel is not None and self.parallel.dims.pp > 1
+
+    @property
     def sharded(self) -> bool:
-        """Whether this rank holds only shards of the weights (FSDP2 or tensor parallel)."""
-        return self.parallel is not None and any(isinstance(v, DTensor) for v in self.model.state_dict().values())
+        """Whether this rank's weights are not the whole model's by themselves (FSDP2, tensor or pipeline
+        parallel): checkpoints are then written sharded."""
+        return self.parallel is not None and (
+            self.pipelined or any(isinstance(v, DTensor) for v in self.model.state_dict().values()))
+
+    @property
+    def infer_model(self) -> Any:
+        """What inference calls like the model (``input_ids``, ``attention_mask``, ``position_ids`` →
+        ``.logits``): the model, or the pipeline of stages."""
+        return PipelinedLM(self.model, self.parallel) if self.pipelined else self.model
+
+    def gather_stages(self) -> None:
+        """Pipeline parallel: make this process's copy of every stage's weights current (a collective of the
+        stages); called before the weights leave (sync, export, checkpoint)."""
+        if self.pipelined:
+            gather_stages(self.model, self.parallel, self.parallel.owned)
 
     def data_shard(self, data_list: list[Any]):
         """This rank's micro-batches of a global batch as ``(micro_batch, on)`` (see ``ParallelContext``)."""
@@ -84,7 +110,8 @@ class TorchModule(BaseModule):
         if self.parallel is None:
             return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         self.parallel.finish_grads(self.model)
-        return clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm)
+        pp_group = self.parallel.dim_groups.get("pp") if self.pipelined else None
+        return clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm, pp_group)
 
     # -- parameter sync -------------------------------------------------------------------------------------
     def sync_sources(self) -> dict[str, torch.Tensor]:
@@ -101,6 +128,7 @@ class TorchModule(BaseModule):
         """The weights to hand to the inference copies (whole CPU tensors, detached; gathered from shards on
         every rank of a sharded replica)."""
         assert self.model is not None
+        self.gather_stages()
         return {k: full_tensor(v).detach().to("cpu") for k, v in self.sync_sources().items()}
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -131,6 +159,7 @@ class TorchModule(BaseModule):
         if self.model is None:
             return None
         if self.sharded:
+            self.gather_stages()
             return save_sharded(self.checkpoint_dir(iteration), self.model, self.optimizer, self.scheduler,
                                 self.process_group, meta={"model": self.name, "iteration": iteration})
         if self.rank != 0:

@@ -140,6 +140,8 @@ class Worker:
         hosts_dst = any(process in rep for rep in route["dst_ranks"])
         self._hand_over([m for m, here in ((src, hosts_src), (dst, hosts_dst)) if here], ("weights",))
         specs = [(n, tuple(shape), getattr(torch, dtype)) for n, shape, dtype in route["specs"]]
+        if hosts_src:
+            self.slots[src].module.gather_stages()  # pipeline stages: every stage's weights, current
         group = self.sync_groups.get(route["key"]) if process in route["members"] else None
         if process in route["members"] and group is None:
             raise RuntimeError(f"param sync {route['key']}: {process} is not in its sync group (not joined)")

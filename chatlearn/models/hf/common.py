@@ -53,25 +53,58 @@ def full_sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return input_ids, attn, pos
 
 
-def _response_positions(model: torch.nn.Module, batch: dict, device: torch.device):
-    """Run `model` on prompt+response; returns (output, slice of the positions that emit response tokens)."""
+def _response_positions(model, batch: dict, device: torch.device):
+    """Run `model` on prompt+response; returns (output, slice of the positions that emit response tokens).
+    `model` is the model or anything called like it (a DDP wrapper, a pipeline of stages)."""
     input_ids, attn, pos = full_sequence(batch)
     out = model(input_ids=input_ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device))
+    return out, response_span(batch)
+
+
+def response_span(batch: dict) -> slice:
+    """The positions of prompt+response logits that predict the response tokens."""
     p = batch["prompt_ids"].shape[1]
-    return out, slice(p - 1, p - 1 + batch["response_ids"].shape[1])
+    return slice(p - 1, p - 1 + batch["response_ids"].shape[1])
 
 
-def response_logits(model: torch.nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
+def response_logits(model, batch: dict, device: torch.device) -> torch.Tensor:
     """Logits [B, R, V] that predict each response token."""
     out, span = _response_positions(model, batch, device)
     return out.logits[:, span, :]
 
 
-def response_logprobs(model: torch.nn.Module, batch: dict, device: torch.device, temperature: float = 1.0):
-    """Log-probs [B, R] of the response tokens under `model` (0 at padding)."""
-    logits = response_logits(model, batch, device).float() / temperature
-    lp = logprobs_from_logits(logits, batch["response_ids"].to(device))
+def logprobs_of(logits: torch.Tensor, batch: dict, device: torch.device, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs [B, R] of the response tokens from their logits [B, R, V] (0 at padding)."""
+    lp = logprobs_from_logits(logits.float() / temperature, batch["response_ids"].to(device))
     return lp * batch["response_mask"].to(device)
+
+
+def response_logprobs(model, batch: dict, device: torch.device, temperature: float = 1.0):
+    """Log-probs [B, R] of the response tokens under `model` (0 at padding)."""
+    return logprobs_of(response_logits(model, batch, device), batch, device, temperature)
+
+
+def widen(batches: list[dict], pad_id: int) -> list[dict]:
+    """The micro-batches padded to one prompt width (left) and one response width (right), every prompt-side
+    (``prompt_*``) and response-side ([B, R] tensor) field alike, so a pipeline schedule can stack them.
+    Padding is masked, so every real token sees what it saw before."""
+    p = max(b["prompt_ids"].shape[1] for b in batches)
+    r = max(b["response_ids"].shape[1] for b in batches)
+    out = []
+    for b in batches:
+        bp, br = b["prompt_ids"].shape[1], b["response_ids"].shape[1]
+        w = dict(b)
+        for k, v in b.items():
+            if not isinstance(v, torch.Tensor) or v.dim() < 2:
+                continue
+            if k.startswith("prompt_") and bp < p:
+                fill = pad_id if k == "prompt_ids" else 0
+                w[k] = torch.cat([torch.full((v.shape[0], p - bp, *v.shape[2:]), fill, dtype=v.dtype), v], 1)
+            elif not k.startswith("prompt_") and v.shape[1] == br and br < r:
+                fill = pad_id if k.endswith("_ids") else 0
+                w[k] = torch.cat([v, torch.full((v.shape[0], r - br, *v.shape[2:]), fill, dtype=v.dtype)], 1)
+        out.append(w)
+    return out
 
 
 def response_hidden_states(backbone: torch.nn.Module, batch: dict, device: torch.device) -> torch.Tensor:

@@ -114,6 +114,7 @@ class DPOPolicyTrainer(PPOPolicyTrainer):
     """
 
     args_schema = DPOArgs
+    supports_pipeline = False  # two forward passes per micro-batch (chosen, rejected)
 
     def _sequence_logprobs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.args.temperature
@@ -180,6 +181,7 @@ class OnlineDPOPolicyTrainer(PPOPolicyTrainer):
     The step's loss is the mean over all pairs of the global batch (each micro-batch weighted by its pairs)."""
 
     args_schema = OnlineDPOArgs
+    supports_pipeline = False  # its own loop, not `each_micro_batch`
 
     def train_step(self, data_list, iteration):
         a = self.args

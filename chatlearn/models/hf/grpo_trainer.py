@@ -20,7 +20,7 @@ from pydantic import Field
 from chatlearn.algorithms import masked_sum
 from chatlearn.algorithms.grpo import entropy_from_logits, k3_kl
 from chatlearn.algorithms.ppo import logprobs_from_logits
-from chatlearn.models.hf.common import response_logits, response_logprobs
+from chatlearn.models.hf.common import response_logprobs
 from chatlearn.models.hf.ppo_trainer import OptimArgs, PPOPolicyTrainer, optimizer_step
 
 
@@ -46,7 +46,7 @@ class GRPOPolicyTrainer(PPOPolicyTrainer):
         """Old log-probs from the trainer's weights (score stage, ``old_logprobs: trainer``)."""
         self.model.eval()
         try:
-            lp = response_logprobs(self.model, data, self.device, self.args.temperature)
+            lp = response_logprobs(self.infer_model, data, self.device, self.args.temperature)
         finally:
             self.model.train()
         return {"old_logprobs": lp.cpu()}
@@ -61,28 +61,31 @@ class GRPOPolicyTrainer(PPOPolicyTrainer):
             stats["kl_loss"] = 0.0
         if a.entropy_coef > 0:
             stats["entropy"] = 0.0
-        for mb, on in self.data_shard(data_list):
+
+        def loss_of(mb: dict, on: float, response_logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb["response_mask"].to(self.device)
             share = float(mask.sum()) / total * on
-            logits = response_logits(self.fwd, mb, self.device).float() / a.temperature
+            logits = response_logits.float() / a.temperature
             logprobs = logprobs_from_logits(logits, mb["response_ids"].to(self.device)) * mask
             old = mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]
             loss, st = self.loss_fn(logprobs, old.to(self.device), mb["advantages"].to(self.device), mask,
                                     pos_clip_ratio=a.pos_clip_ratio, neg_clip_ratio=a.neg_clip_ratio,
                                     diff_clip_ratio=a.diff_clip_ratio, final_clip_ratio=a.final_clip_ratio,
                                     total_tokens=total)
-            stats["policy_loss"] += float(loss.detach()) * on
+            part = {"policy_loss": float(loss.detach()) * on}
             if a.kl_coef > 0:
                 kl = masked_sum(k3_kl(logprobs, mb["ref_logprobs"].to(self.device)), mask) / total
                 loss = loss + a.kl_coef * kl
-                stats["kl_loss"] += float(kl.detach()) * on
+                part["kl_loss"] = float(kl.detach()) * on
             if a.entropy_coef > 0:
                 ent = masked_sum(entropy_from_logits(logits), mask) / total
                 loss = loss - a.entropy_coef * ent
-                stats["entropy"] += float(ent.detach()) * on
-            (loss * on if on != 1.0 else loss).backward()
+                part["entropy"] = float(ent.detach()) * on
             for k in keys[1:]:
-                stats[k] += st[k] * share
+                part[k] = st[k] * share
+            return (loss * on if on != 1.0 else loss), part
+
+        stats.update(self.each_micro_batch(data_list, loss_of))
         stats = self.sum_stats(stats, list(stats))
         stats.update(optimizer_step(self, a.max_grad_norm, "policy"))
         return stats

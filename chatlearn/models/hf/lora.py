@@ -451,7 +451,8 @@ class LoraTrainerMixin:
         written to a temporary sibling and renamed into place, so ``path`` is never half-written."""
         full = None
         if self.parallel is not None and not self.lora_enabled:
-            # every rank gathers (a collective for sharded weights); rank 0 writes
+            # every rank gathers (a collective for sharded weights and pipeline stages); rank 0 writes
+            self.gather_stages()
             full = {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}
             if self.rank != 0:
                 return path

@@ -76,6 +76,8 @@ def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> tor
 class PolicyInference(HFModule):
     """Generates responses for prompt batches; `forward_step` samples, `eval_step` decodes greedily."""
 
+    supports_pipeline = True
+
     args_schema = PolicyArgs
 
     def setup(self) -> None:
@@ -113,7 +115,8 @@ class PolicyInference(HFModule):
                           top_p=self.args.top_p)
         else:
             kwargs = dict(do_sample=False)
-        out = self.model.generate(
+        generate = self._generate_in_stages if self.pipelined else self.model.generate
+        out = generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             max_new_tokens=self.args.max_new_tokens,
@@ -135,8 +138,34 @@ class PolicyInference(HFModule):
     @torch.no_grad()
     def forward_step(self, data, iteration):
         out = self._generate(data, do_sample=True, seed=self.seed * 1_000_003 + iteration)
-        out["logprobs"] = response_logprobs(self.model, out, self.device, self.args.temperature).cpu()
+        out["logprobs"] = response_logprobs(self.infer_model, out, self.device, self.args.temperature).cpu()
         return out
 
     def eval_step(self, data):
         return self._generate(data, do_sample=self.args.eval_do_sample, seed=self.seed * 7_919 + 1)
+
+    @torch.no_grad()
+    def _generate_in_stages(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                            pad_token_id: int, eos_token_id: int, do_sample: bool = False,
+                            logits_processor: LogitsProcessorList | None = None, **_: object) -> torch.Tensor:
+        """Generation through pipeline stages, simply: every step runs the whole sequence through the stages
+        (no KV cache), then picks tokens as ``generate`` does (the logits processors, argmax; finished rows
+        get padding). Every stage calls it with the same batch and gets the same tokens."""
+        if do_sample:
+            raise NotImplementedError("pipeline-parallel generation samples through the per-sample sampler "
+                                      "only (sample ids); eval_do_sample is not supported with it yet")
+        ids, mask = input_ids, attention_mask
+        unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+        for _ in range(max_new_tokens):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            scores = self.infer_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1, :].float()
+            if logits_processor is not None:
+                scores = logits_processor(ids, scores)
+            nxt = torch.where(unfinished, scores.argmax(-1), torch.full_like(unfinished, pad_token_id,
+                                                                                dtype=torch.long))
+            ids = torch.cat([ids, nxt[:, None]], 1)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            unfinished &= nxt != eos_token_id
+            if not unfinished.any():
+                break
+        return ids

@@ -7,7 +7,7 @@ step equals one big batch's masked mean whatever the micro-batch size).
 
 import functools
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -18,12 +18,17 @@ from chatlearn.models.hf.common import (
     HFModelArgs,
     HFModule,
     ensure_model_files,
+    full_sequence,
     load_causal_lm,
     load_tokenizer,
-    response_logprobs,
+    logprobs_of,
+    response_logits,
+    response_span,
+    widen,
 )
 from chatlearn.models.hf.lora import LoraTrainerMixin
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
+from chatlearn.models.parallel import pipeline_train
 
 
 class OptimArgs(HFModelArgs):
@@ -103,6 +108,7 @@ class PPOPolicyTrainer(LoraTrainerMixin, HFModule):
 
     args_schema = PPOPolicyArgs
     supports_lora: ClassVar[bool] = True
+    supports_pipeline: ClassVar[bool] = True  # one forward per micro-batch: the 1F1B schedule runs it
 
     def setup(self) -> None:
         ensure_model_files(self.args)
@@ -124,20 +130,60 @@ class PPOPolicyTrainer(LoraTrainerMixin, HFModule):
                 mb["advantages"] = adv
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {"policy_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0}
-        weights = {id(mb): w for mb, w in zip(data_list, _token_weights(data_list), strict=True)}
-        for mb, on in self.data_shard(data_list):
-            w = weights[id(mb)] * on
+        for mb, w in zip(data_list, _token_weights(data_list), strict=True):
+            mb["loss_weight"] = w
+
+        def loss_of(mb: dict, on: float, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            w = mb["loss_weight"] * on
             mask = mb["response_mask"].to(self.device)
-            logprobs = response_logprobs(self.fwd, mb, self.device, self.args.temperature)
+            logprobs = logprobs_of(logits, mb, self.device, self.args.temperature)
             loss, st = self.loss_fn(logprobs, mb["logprobs"].to(self.device), mb["advantages"].to(self.device),
                                     mask, cliprange=self.args.cliprange)
-            (loss * w).backward()
-            stats["policy_loss"] += float(loss.detach()) * w
-            stats["clipfrac"] += st["clipfrac"] * w
-            stats["approx_kl"] += st["approx_kl"] * w
+            return loss * w, {"policy_loss": float(loss.detach()) * w, "clipfrac": st["clipfrac"] * w,
+                              "approx_kl": st["approx_kl"] * w}
+
+        stats.update(self.each_micro_batch(data_list, loss_of))
         stats = self.sum_stats(stats, list(stats))
         stats.update(optimizer_step(self, self.args.max_grad_norm, "policy"))
         return stats
+
+    def each_micro_batch(self, data_list: list[dict], loss_of: Any) -> dict[str, float]:
+        """Forward and backward of this rank's micro-batches: ``loss_of(mb, on, logits)`` gets the logits
+        [B, R, V] that predict ``mb``'s response tokens and returns the weighted loss to backward and the
+        micro-batch's (weighted) statistics, which are summed and returned. Pipeline stages run them with the
+        1F1B schedule (``loss_of`` on the last stage, on micro-batches widened to one shape; the schedule's
+        set-up calls the loss once on stand-in activations, whose statistics the real call replaces)."""
+        parts: dict[int, dict[str, float]] = {}
+        if not self.pipelined:
+            for i, (mb, on) in enumerate(self.data_shard(data_list)):
+                loss, parts[i] = loss_of(mb, on, response_logits(self.fwd, mb, self.device))
+                loss.backward()
+            return _add(parts.values())
+        wide = widen(list(data_list), self.tokenizer.pad_token_id)
+        rows = max(len(b["prompt_ids"]) for b in wide)
+        inputs = []
+        for b in wide:
+            ids, attn, pos = full_sequence(b)
+            short = rows - ids.shape[0]  # the schedule splits equal chunks: repeat a row, never read back
+            ids, attn, pos = (torch.cat([t, t[:1].expand(short, -1)]) if short else t for t in (ids, attn, pos))
+            inputs.append({"input_ids": ids.to(self.device), "attention_mask": attn.to(self.device),
+                           "position_ids": pos.to(self.device)})
+
+        def stage_loss(i: int, logits: torch.Tensor) -> torch.Tensor:
+            b = wide[i]
+            loss, parts[i] = loss_of(b, 1.0, logits[: len(b["prompt_ids"]), response_span(b), :])
+            return loss
+
+        pipeline_train(self.parallel.stage, self.parallel, inputs, stage_loss)
+        return _add(parts.values())
+
+
+def _add(parts: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 class PPOValueTrainer(HFModule):

@@ -6,6 +6,7 @@ from chatlearn.models.hf.common import HFModule, ensure_model_files, load_causal
 
 
 class ReferenceModel(HFModule):
+    supports_pipeline = True
 
     def setup(self) -> None:
         ensure_model_files(self.args)
@@ -15,4 +16,4 @@ class ReferenceModel(HFModule):
 
     @torch.no_grad()
     def forward_step(self, data, iteration):
-        return {"ref_logprobs": response_logprobs(self.model, data, self.device, self.args.temperature).cpu()}
+        return {"ref_logprobs": response_logprobs(self.infer_model, data, self.device, self.args.temperature).cpu()}
