@@ -20,7 +20,7 @@ from prefect_ray.context import remote_options
 from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
 from chatlearn.models.hf.reward import score_samples, text_samples
 from chatlearn.runtime.evaluation import eval_metrics, eval_results
-from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle, settle_peers
+from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle, forget_peers, settle_peers
 from chatlearn.runtime.reporting import artifact_key
 from chatlearn.runtime.schedule import every
 from chatlearn.runtime.sync import sync_routes
@@ -30,6 +30,7 @@ from chatlearn.utils.imports import import_callable
 @task(name="generate", cache_policy=NO_CACHE)
 def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
     """The producer samples responses for this episode's prompts, batches dealt over its replicas."""
+    forget_peers()  # nothing of another run's calls is waited for here
     t0 = time.perf_counter()
     heads = run.heads(run.plan.producer)
     batches = episode_generation_batches(run.dataset_size, consumed_samples, run.sample_per_episode,
@@ -68,6 +69,7 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
 
     A rule reward is called in `rule-reward` tasks fanned out over the batches while the scorers run; its
     actor then only turns the scores into the experience (advantages)."""
+    forget_peers()  # nothing of another run's calls is waited for here
     t0 = time.perf_counter()
     plan = run.plan
     if not plan.final and not plan.scorers:  # offline DPO: the producer's output is the experience
@@ -96,6 +98,7 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
 @task(name="train", cache_policy=NO_CACHE)
 def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int) -> dict[str, Any]:
     """The StreamDataset shapes the episode's samples (loader type, relay); every trainer trains on them."""
+    forget_peers()  # nothing of another run's calls is waited for here
     t0 = time.perf_counter()
     samples_ref, metrics = ray.get(run.stream().episode_samples.remote(*experience.refs, episode=episode))
     calls = {name: run.heads(name)[0].train.remote(samples_ref, episode=episode, start_iteration=start_iteration,
@@ -134,6 +137,7 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
     The data checkpoint record that makes these the run's restart point is written by the train flow after
     the episode (it is the commit), so a crash in between only wastes this episode's work.
     """
+    forget_peers()  # nothing of another run's calls is waited for here
     t0 = time.perf_counter()
     paths: dict[str, str | None] = {}
     relay_path = None
@@ -152,6 +156,7 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     """The producer's eval responses (greedy by default) on the eval set, scored by the evaluator model, then
     `runtime.eval_post_process_fn(results, {"episode_iteration", "train_iteration"})` turns the per-sample
     results into metrics (ChatLearn's post_process_func); the default is the mean score."""
+    forget_peers()  # nothing of another run's calls is waited for here
     t0 = time.perf_counter()
     plan = run.plan
     heads = run.heads(plan.producer)

@@ -325,3 +325,18 @@ def test_pipeline_stages_generate_and_score_as_one_process(ray_session, tiny_mod
     assert torch.equal(got["response_ids"], want["response_ids"]) and got["response"] == want["response"]
     torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=1e-5, rtol=0)
     assert torch.equal(got_eval["response_ids"], want_eval["response_ids"])
+
+
+def test_a_dead_data_parallel_peer_is_an_error_naming_the_replica(ray_session, tiny_model_dir, tmp_path):
+    """DP 2 trainer, rank 1's process killed: rank 0's step fails (not hangs), naming model, replica and rank."""
+    cfg = config({"ppo_policy": {"trainable": True, "cpu_per_process": 1, "num_cpu": 2,
+                                 "args_dict": model_args(tiny_model_dir)}}, str(tmp_path))
+    workers = start(cfg, {"ppo_policy": GradProbe("ppo_policy")})
+    try:
+        ranks = workers.groups["ppo_policy"].replicas[0]
+        ray.kill(ranks[1].actor, no_restart=True)
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"ppo_policy replica 0 rank 0 of 2 .*a collective of "
+                                                              r"call failed: a peer process died"):
+            ray.get(ranks[0].call.remote("train_step", micro_batches(), 0), timeout=400)
+    finally:
+        workers.kill()

@@ -1,10 +1,11 @@
-"""How one model replica of several processes splits its work: data parallel, ZeRO, tensor parallel.
+"""How one model replica of several processes splits its work: data, ZeRO, tensor and pipeline parallel.
 
 ChatLearn gets these from Megatron and DeepSpeed; here they come from PyTorch itself, so the same code runs on
-gloo (CPU, and CI) and NCCL (GPU). A replica of ``P`` processes is laid out as ``dp × shard × tp`` (ranks
-numbered with ``tp`` fastest, as Megatron does): ``tp = tensor_model_parallel_size``, ``shard = zero_size``
-and ``dp`` what is left. The framework creates one process group per dimension (``Worker.init_distributed``)
-and hands the module a :class:`ParallelContext`; :func:`parallelize` then applies
+gloo (CPU, and CI) and NCCL (GPU). A replica of ``P`` processes is laid out as ``pp × dp × shard × tp``
+(ranks numbered with ``tp`` fastest, as Megatron does): ``tp = tensor_model_parallel_size``, ``shard =
+zero_size``, ``pp = pipeline_model_parallel_size`` and ``dp`` what is left. The framework creates one
+process group per dimension (``Worker.init_distributed``) and hands the module a :class:`ParallelContext`;
+:func:`parallelize` then applies
 
 * tensor parallel: DTensor ``parallelize_module`` with transformers' ``base_model_tp_plan`` where the model has
   one, the Llama-style plan otherwise (q/k/v/gate/up column-wise, o/down row-wise);
@@ -14,8 +15,10 @@ and hands the module a :class:`ParallelContext`; :func:`parallelize` then applie
 
 Gradients are *summed* over data-parallel ranks (not averaged): every rank gets the whole global batch, runs
 only its share of the micro-batches (:meth:`ParallelContext.data_shard`) with the same per-micro-batch weights
-one process would use, so the summed gradient is exactly one process's. Pipeline parallel is not supported
-by the built-in modules yet (refused by the config checks).
+one process would use, so the summed gradient is exactly one process's.
+
+Pipeline parallel (``pipeline_model_parallel_size``, alone for now) splits the decoder layers into stages
+(:class:`LMStage`); see the section at the end of this file.
 """
 
 import re

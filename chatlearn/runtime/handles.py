@@ -95,6 +95,12 @@ class ModelHandle:
 _PEERS: list[Any] = []
 
 
+def forget_peers() -> None:
+    """Drop what earlier calls of this process left (a run that failed before settling, in a process that
+    outlives runs: a test session, a Ray worker that runs tasks of several runs)."""
+    _PEERS.clear()
+
+
 def settle_peers() -> None:
     """Wait for the other ranks of every replica call made so far; raises the first error among them."""
     refs = list(_PEERS)

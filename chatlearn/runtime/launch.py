@@ -22,7 +22,7 @@ from chatlearn.config.engines import ENGINES
 from chatlearn.data.prompts import load_records
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.handles import RuleSpec, RunHandle
+from chatlearn.runtime.handles import RuleSpec, RunHandle, forget_peers
 from chatlearn.runtime.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
 from chatlearn.runtime.placement import NodeSpec, plan_placement
 from chatlearn.runtime.plan import ResolvedEngine
@@ -204,6 +204,7 @@ def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
 
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
     names = list(eng.modules)
+    forget_peers()
     started_ray = init_ray(cfg, namespace, names)
     prefix = f"{uuid.uuid4().hex[:8]}-"
     workers: Workers | None = None

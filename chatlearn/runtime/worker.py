@@ -37,6 +37,16 @@ _NO_HANDOVER = {"build_dataset", "ping", "peak_memory"}
 DIST_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("CHATLEARN_DIST_TIMEOUT", "300")))
 
 
+class CollectiveError(RuntimeError):
+    """A collective of a multi-process replica failed: the message names the model, replica and rank."""
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(k in text for k in ("gloo", "Gloo", "NCCL", "Connection closed",
+                                                                      "Connection reset", "Timed out"))
+
+
 class Worker:
     """Hosts model ranks: ``members`` are (name, module, model config, replica id, rank in replica)."""
 
@@ -111,7 +121,17 @@ class Worker:
             return self.setup(name)
         if method not in _NO_HANDOVER:
             self._hand_over([name], _NEEDS.get(method, ("weights",)))
-        return getattr(self.slots[name], method)(*args, **kwargs)
+        try:
+            return getattr(self.slots[name], method)(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as exc:
+            ctx = self.slots[name].module.parallel
+            if ctx is None or not _collective_failure(exc):
+                raise
+            replica, rank = self.ranks[name]
+            raise CollectiveError(
+                f"{name} replica {replica} rank {rank} of {ctx.dims.size} (world ranks {ctx.ranks}): a collective "
+                f"of {method} failed: a peer process died or did not answer within {DIST_TIMEOUT.total_seconds():.0f}"
+                f"s (CHATLEARN_DIST_TIMEOUT): {str(exc).strip().splitlines()[0][:300]}") from exc
 
     # -- parameter sync (chatlearn.runtime.sync) --------------------------------------------------------------
     def sync_specs(self, name: str, role: str) -> list[tuple[str, list[int], str]]:
