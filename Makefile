@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint bench clean
+.PHONY: setup train test test-fast lint bench bench-sync clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,9 @@ lint: setup
 bench: setup
 	$(BIN)/python bench/default_run.py
 	$(BIN)/python bench/startup.py
+
+bench-sync: setup
+	$(BIN)/python bench/param_sync.py
 
 clean:
 	rm -rf output .pytest_cache

@@ -89,6 +89,7 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: dict)
             group.recv(flat)
 
     times: dict[str, list[float]] = {}
+    staging: dict[str, dict] = {name: {} for name, *_ in METHODS}  # kept from sync to sync, as a run does
     exact = True
     for rnd in range(args.rounds + 1):
         for kind in ("broadcast", "p2p"):
@@ -99,9 +100,9 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: dict)
             if rank:  # receivers start from other values each time: a sync that moved nothing would show
                 for t in state.values():
                     t.zero_()
-            t = timed(lambda comm=comm, coalesce=coalesce, mb=mb: transfer(
+            t = timed(lambda comm=comm, coalesce=coalesce, mb=mb, name=name: transfer(
                 specs, group=group, sources=state if rank == 0 else None, targets=None if rank == 0 else state,
-                comm=comm, coalesce=coalesce, max_bytes=mb * 2**20))
+                comm=comm, coalesce=coalesce, max_bytes=mb * 2**20, staging=staging[name]))
             if rnd:
                 times.setdefault(name, []).append(t)
             if rank:

@@ -113,41 +113,44 @@ class SyncGroup:
         return SyncError(f"param sync group {self.key}: {what} failed on rank {self.rank} ({self.names[self.rank]})"
                          f"{who}; members {dict(enumerate(self.names))}: {exc}")
 
-    def broadcast(self, t: torch.Tensor) -> None:
+    def post(self, t: torch.Tensor, comm: str) -> list[tuple[int, Any]]:
+        """Start moving ``t`` (rank 0 sends, the others receive into it) and return the pending works, each
+        with the peer it waits on (-1: the whole group)."""
         try:
+            if comm == "broadcast":
+                if self.raw:
+                    opts = dist.BroadcastOptions()
+                    opts.rootRank = 0
+                    return [(-1, self.pg.broadcast([t], opts))]
+                src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
+                return [(-1, dist.broadcast(t, src=src, group=self.pg, async_op=True))]
+            if self.rank == 0:
+                if self.raw:
+                    return [(peer, self.pg.send([t], peer, 0)) for peer in range(1, self.size)]
+                return [(peer, dist.isend(t, dst=dist.get_global_rank(self.pg, peer), group=self.pg))
+                        for peer in range(1, self.size)]
             if self.raw:
-                opts = dist.BroadcastOptions()
-                opts.rootRank = 0
-                self.pg.broadcast([t], opts).wait()
-            else:
-                dist.broadcast(t, src=dist.get_global_rank(self.pg, 0) if self.pg is not None else 0, group=self.pg)
+                return [(0, self.pg.recv([t], 0, 0))]
+            return [(0, dist.irecv(t, src=dist.get_global_rank(self.pg, 0), group=self.pg))]
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistError subclasses
-            raise self._fail("broadcast", exc) from exc
+            raise self._fail(comm, exc) from exc
+
+    def wait(self, works: list[tuple[int, Any]], what: str) -> None:
+        for peer, work in works:
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001
+                raise self._fail(what, exc, None if peer < 0 else peer) from exc
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        self.wait(self.post(t, "broadcast"), "broadcast")
 
     def send_all(self, t: torch.Tensor) -> None:
         """p2p: one send to every other rank, all in flight at once, then wait."""
-        works = []
-        peer = None
-        try:
-            for peer in range(1, self.size):
-                if self.raw:
-                    works.append((peer, self.pg.send([t], peer, 0)))
-                else:
-                    works.append((peer, dist.isend(t, dst=dist.get_global_rank(self.pg, peer), group=self.pg)))
-            for waiting, w in works:
-                peer = waiting  # named in the error if this one fails
-                w.wait()
-        except Exception as exc:  # noqa: BLE001
-            raise self._fail("send", exc, peer) from exc
+        self.wait(self.post(t, "p2p"), "send")
 
     def recv(self, t: torch.Tensor) -> None:
-        try:
-            if self.raw:
-                self.pg.recv([t], 0, 0).wait()
-            else:
-                dist.recv(t, src=dist.get_global_rank(self.pg, 0), group=self.pg)
-        except Exception as exc:  # noqa: BLE001
-            raise self._fail("recv", exc, 0) from exc
+        self.wait(self.post(t, "p2p"), "recv")
 
     def close(self) -> None:
         """Drop the group (``free_sync_collective_group``); a new one is joined for the next sync."""
@@ -157,14 +160,19 @@ class SyncGroup:
 
 def transfer(specs: list[TensorSpec], *, group: SyncGroup | None = None, sources: Mapping[str, Any] | None = None,
              targets: Mapping[str, torch.Tensor] | None = None, comm: str = "broadcast", coalesce: bool = True,
-             max_bytes: int = 100 * 2**20, debug: bool = False) -> dict[str, Any]:
+             max_bytes: int = 100 * 2**20, debug: bool = False,
+             staging: dict[Any, torch.Tensor] | None = None) -> dict[str, Any]:
     """One process's part of a sync of the tensors ``specs``.
 
     ``sources``: this process hosts a trainer rank (its tensors, DTensors gathered here: every trainer rank
     calls with its sources in the same order). ``group``: its rank 0 sends the gathered tensors, other ranks
     receive into ``targets``. ``targets`` without a group: a receiver colocated with a trainer rank, loaded
-    from the gathered tensors in-process. Returns the number of transfers, the bytes, the largest staging
-    buffer and, with ``debug``, a digest of every tensor this process ended up with (trainer: sent).
+    from the gathered tensors in-process. ``staging``: the bucket buffers, two of half ``max_bytes`` per
+    dtype, kept by the caller from one sync to the next (a fresh buffer costs its page faults every sync);
+    one is packed while the other is on the wire. Transfers that need no staging buffer stay in flight
+    together (at most ``2 * max_bytes`` of temporary receive buffers). Returns the number of transfers, the bytes,
+    the largest staging buffer and, with ``debug``, a digest of every tensor this process ended up with
+    (trainer: sent).
     """
     if comm not in ("broadcast", "p2p"):
         raise ValueError(f"param_sync_comm_type must be broadcast or p2p, got {comm!r}")
@@ -173,22 +181,29 @@ def transfer(specs: list[TensorSpec], *, group: SyncGroup | None = None, sources
     if sending and sources is None:
         raise ValueError("the sync group's rank 0 must host the trainer")
     local = targets is not None and sources is not None  # colocated receiver: copy in-process
-    plan = plan_buckets(specs, max_bytes) if coalesce else [[i] for i in range(len(specs))]
-    staging: dict[torch.dtype, torch.Tensor] = {}
-    calls, largest = 0, 0
+    # two staging slots of half a bucket each: packing (or unpacking) one overlaps the transfer of the other,
+    # and together they stay within max_bytes
+    plan = plan_buckets(specs, max(1, max_bytes // 2)) if coalesce else [[i] for i in range(len(specs))]
+    staging = {} if staging is None else staging
+    calls, largest, temp_bytes = 0, 0, 0
     digests: dict[str, str] = {}
+    inflight: list[tuple[list, Any, Any]] = []  # (works, staging slot or None, what to do after)
+    slot_of_bucket = 0
 
-    def move(buf: torch.Tensor) -> None:
-        if sending:
-            group.send_all(buf) if comm == "p2p" else group.broadcast(buf)
-        elif receiving:
-            group.recv(buf) if comm == "p2p" else group.broadcast(buf)
-
-    def stage(dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
-        flat = staging.get(dtype)
-        if flat is None or flat.numel() < numel:
-            flat = staging[dtype] = torch.empty(numel, dtype=dtype, device=device)
-        return flat[:numel]
+    def drain(slot: Any = None) -> None:
+        """Wait for the transfers using staging ``slot`` (None: all), then run what follows each."""
+        nonlocal temp_bytes
+        keep = []
+        for works, used, after in inflight:
+            if slot is not None and used != slot:
+                keep.append((works, used, after))
+                continue
+            group.wait(works, comm)
+            if after is not None:
+                after()
+        inflight[:] = keep
+        if slot is None:
+            temp_bytes = 0
 
     for bucket in plan:
         names = [specs[i][0] for i in bucket]
@@ -199,43 +214,59 @@ def transfer(specs: list[TensorSpec], *, group: SyncGroup | None = None, sources
                     load_full_tensor(targets[n], f)
         if group is None:
             continue
+        calls += 1
         if len(bucket) == 1:
             name, shape, dtype = specs[bucket[0]]
+            after = None
             if sending:
                 buf = fulls[0].contiguous()
             else:
                 t = targets[name]
                 direct = not hasattr(t, "device_mesh") and t.is_contiguous() and tuple(t.shape) == shape
                 buf = t if direct else torch.empty(shape, dtype=dtype, device=t.device)
-            move(buf)
-            if receiving and buf is not targets[name]:
-                with torch.no_grad():
-                    load_full_tensor(targets[name], buf)
-        else:
-            dtype = specs[bucket[0]][2]
-            sizes = [_nbytes(specs[i]) // torch.empty((), dtype=dtype).element_size() for i in bucket]
-            device = (fulls[0] if sending else targets[names[0]]).device
-            view = stage(dtype, sum(sizes), device)
-            largest = max(largest, view.numel() * view.element_size())
-            if sending:
-                offset = 0
-                for f, n in zip(fulls, sizes, strict=True):
-                    view[offset: offset + n].copy_(f.reshape(-1))
-                    offset += n
-            move(view)
-            if receiving:
+                if not direct:
+                    if temp_bytes + _nbytes(specs[bucket[0]]) > 2 * max_bytes:
+                        drain()
+                    temp_bytes += _nbytes(specs[bucket[0]])
+
+                    def after(t=t, buf=buf) -> None:
+                        with torch.no_grad():
+                            load_full_tensor(t, buf)
+            inflight.append((group.post(buf, comm), None, after))
+            continue
+        dtype = specs[bucket[0]][2]
+        sizes = [_nbytes(specs[i]) // torch.empty((), dtype=dtype).element_size() for i in bucket]
+        device = (fulls[0] if sending else targets[names[0]]).device
+        slot = (dtype, slot_of_bucket % 2)
+        slot_of_bucket += 1
+        drain(slot)  # the bucket before last must be out of this buffer first
+        flat = staging.get(slot)
+        if flat is None or flat.numel() < sum(sizes) or flat.device != device:
+            flat = staging[slot] = torch.empty(sum(sizes), dtype=dtype, device=device)
+        view = flat[:sum(sizes)]
+        largest = max(largest, sum(t.numel() * t.element_size() for t in staging.values()))
+        if sending:
+            offset = 0
+            for f, n in zip(fulls, sizes, strict=True):
+                view[offset: offset + n].copy_(f.reshape(-1))
+                offset += n
+        after = None
+        if receiving:
+            def after(view=view, bucket=bucket, sizes=sizes) -> None:
                 offset = 0
                 with torch.no_grad():
                     for i, n in zip(bucket, sizes, strict=True):
                         load_full_tensor(targets[specs[i][0]], view[offset: offset + n].view(specs[i][1]))
                         offset += n
-        calls += 1
+        inflight.append((group.post(view, comm), slot, after))
+    if group is not None:
+        drain()
     if debug:
         if sources is not None and (sending or group is None):
             digests = {n: digest(full_tensor(sources[n])) for n, _, _ in specs}
         elif targets is not None:
             digests = {n: digest(full_tensor(targets[n])) for n, _, _ in specs}
-    return {"collectives": calls if group is not None else 0, "bytes": sum(_nbytes(s) for s in specs),
+    return {"collectives": calls, "bytes": sum(_nbytes(s) for s in specs),
             "staging_bytes": largest, "digests": digests}
 
 

@@ -65,6 +65,7 @@ class Worker:
         self.released: dict[str, dict[str, int]] = {name: dict.fromkeys(PARTS, 0) for name in self.slots}
         self.world_rank = 0
         self.sync_groups: dict[str, SyncGroup] = {}
+        self.sync_staging: dict[str, dict] = {}  # per route: its bucket buffers, kept from sync to sync
 
     # -- torch.distributed ----------------------------------------------------------------------------------
     def free_port(self) -> tuple[str, int]:
@@ -148,6 +149,7 @@ class Worker:
 
     def leave_sync_group(self, key: str) -> bool:
         group = self.sync_groups.pop(key, None)
+        self.sync_staging.pop(key, None)
         if group is not None:
             group.close()
         return True
@@ -169,7 +171,7 @@ class Worker:
                         sources=self.slots[src].module.sync_sources() if hosts_src else None,
                         targets=self.slots[dst].module.sync_targets() if hosts_dst else None,
                         comm=route["comm"], coalesce=route["coalesce"], max_bytes=route["bucket_bytes"],
-                        debug=route["debug"])
+                        debug=route["debug"], staging=self.sync_staging.setdefault(route["key"], {}))
 
     def copy_local(self, dst: str, src: str) -> bool:
         """Parameter sync between two models of this process: a plain copy, no serialization."""
