@@ -192,8 +192,8 @@ def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float, trainer: 
     return workers, by_name, route
 
 
-@pytest.mark.parametrize(("comm", "bucket_mb", "trainer"), [("broadcast", 0.1, "zero2"), ("p2p", 0.1, "zero2"),
-                                                           ("broadcast", 8.0, "zero2"), ("p2p", 8.0, "pp2")])
+@pytest.mark.parametrize(("comm", "bucket_mb", "trainer"), [("broadcast", 0.1, "zero2"), ("p2p", 8.0, "zero2"),
+                                                           ("p2p", 0.1, "pp2")])
 def test_sharded_trainer_syncs_into_two_tp2_replicas_bit_exactly(ray_session, tiny_model_dir, tmp_path, comm,
                                                                  bucket_mb, trainer):
     """ZeRO 2 (or PP 2) trainer -> policy TP 2 x 2 replicas over one gloo group; buckets smaller (0.1 MiB) and
