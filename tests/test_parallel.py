@@ -275,6 +275,13 @@ def test_default_with_zero2_trainers_and_tp2_policy_follows_the_single_process_r
     assert [len(rep) for rep in ranks["policy"]] == [2] and [len(rep) for rep in ranks["ppo_policy"]] == [2]
     single = __import__("json").loads((tmp_path / "single" / "placement.json").read_text())["ranks"]
     assert [len(rep) for rep in single["policy"]] == [1, 1] and [len(rep) for rep in single["ppo_policy"]] == [1]
+    # the export of the sharded trainer is a whole Hugging Face model, as the single-process one
+    from transformers import AutoModelForCausalLM
+
+    whole, plain = (AutoModelForCausalLM.from_pretrained(tmp_path / n / "final" / "policy").state_dict()
+                    for n in ("sharded", "single"))
+    assert {k: v.shape for k, v in whole.items()} == {k: v.shape for k, v in plain.items()}
+    assert max(float((whole[k] - plain[k]).abs().max()) for k in plain) < 1e-3
 
 
 def test_routes_run_in_waves_of_param_sync_max_workers(monkeypatch):
@@ -340,3 +347,46 @@ def test_a_dead_data_parallel_peer_is_an_error_naming_the_replica(ray_session, t
             ray.get(ranks[0].call.remote("train_step", micro_batches(), 0), timeout=400)
     finally:
         workers.kill()
+
+
+class DPOGradProbe(__import__("chatlearn.models.hf.dpo", fromlist=["DPOPolicyTrainer"]).DPOPolicyTrainer):
+    grads = GradProbe.grads
+
+
+def pair_batches(n: int = 3) -> list[dict]:
+    out = []
+    for i, mb in enumerate(micro_batches(n, seed=1)):
+        g = torch.Generator().manual_seed(100 + i)
+        rej_mask = torch.ones(2, 4)
+        rej_mask[1, 3] = 0
+        out.append({"prompt_ids": mb["prompt_ids"], "prompt_mask": mb["prompt_mask"],
+                    "response_ids": mb["response_ids"], "response_mask": mb["response_mask"],
+                    "rejected_ids": torch.randint(4, 30, (2, 4), generator=g), "rejected_mask": rej_mask,
+                    "ref_logprobs": mb["logprobs"], "rejected_ref_logprobs": -torch.rand(2, 4, generator=g) * rej_mask})
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dp2", "zero2"])
+def test_dpo_trainer_layouts_give_one_process_gradients(ray_session, tiny_model_dir, tmp_path, layout):
+    """The DPO trainer runs two forward passes per micro-batch (chosen, rejected) before one backward; with DDP
+    and FSDP2 over an odd number of micro-batches (one rank runs a zero-weight stand-in)."""
+    args = {"model_path": tiny_model_dir, "lr": 1e-3, "max_grad_norm": 1e6}
+    shape = {"trainable": True, "cpu_per_process": 1, "args_dict": args, **LAYOUTS[layout]}
+    data = pair_batches()
+    one = DPOGradProbe("ppo_policy")
+    single = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1}}, str(tmp_path))
+    one.bind(single.models["ppo_policy"], single.runtime, 0, single.runtime.seed)
+    one.setup()
+    want_stats = one.train_step([dict(mb) for mb in data], 0)
+    want = one.grads()
+    workers = start(config({"ppo_policy": shape}, str(tmp_path)), {"ppo_policy": DPOGradProbe("ppo_policy")})
+    try:
+        head = workers.groups["ppo_policy"].heads[0]
+        stats = ray.get(head.call.remote("train_step", data, 0))
+        got = ray.get(head.call.remote("grads"))
+    finally:
+        workers.kill()
+    for key in ("dpo_loss", "reward_accuracy", "policy_grad_norm"):
+        assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
+    worst = max(float((got[n] - want[n]).abs().max()) for n in want)
+    assert worst <= 1e-6 * max(1.0, max(float(want[n].abs().max()) for n in want)), worst
