@@ -170,14 +170,15 @@ def test_sharded_checkpoints_load_into_other_world_sizes(ray_session, tiny_model
     assert one.optimizer.state_dict()["state"], "optimizer state not restored"
 
 
-def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float, trainer: str = "zero2"):
+def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float, trainer: str = "zero2", policy_tp: int = 2,
+                free: bool = False):
     cfg = load_config({"models": {
         "ppo_policy": {"trainable": True, "cpu_per_process": 1, **LAYOUTS[trainer],
                        "args_dict": model_args(tiny_model_dir)},
-        "policy": {"num_cpu": 4, "cpu_per_process": 1, "tensor_model_parallel_size": 2,
+        "policy": {"num_cpu": 4, "cpu_per_process": 1, "tensor_model_parallel_size": policy_tp,
                    "args_dict": {"model_path": tiny_model_dir}}},
         "runtime": {"sample_per_episode": 8, "output_dir": str(tmp_path), "param_sync_comm_type": comm,
-                    "coalesced_buffer_mb": 1, "debug": True}}, checks=[])
+                    "coalesced_buffer_mb": 1, "debug": True, "free_sync_collective_group": free}}, checks=[])
     workers = start(cfg, {"ppo_policy": GradProbe("ppo_policy"), "policy": PolicyInference("policy")})
     by_name = {workers.names[p]: a for p, a in workers.actors.items()}
     src, dst = workers.groups["ppo_policy"], workers.groups["policy"]
@@ -188,30 +189,39 @@ def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float, trainer: 
     specs = ray.get([by_name[route.src_ranks[0]].sync_specs.remote("ppo_policy", "src"),
                      by_name[route.dst_ranks[0][0]].sync_specs.remote("policy", "dst")])
     route.specs = check_specs(route, *specs)
-    connect(route, by_name.__getitem__)
+    if not free:  # a freed group is joined by each sync itself
+        connect(route, by_name.__getitem__)
     return workers, by_name, route
 
 
-@pytest.mark.parametrize(("comm", "bucket_mb", "trainer"), [("broadcast", 0.1, "zero2"), ("p2p", 8.0, "zero2"),
-                                                           ("p2p", 0.1, "pp2")])
-def test_sharded_trainer_syncs_into_two_tp2_replicas_bit_exactly(ray_session, tiny_model_dir, tmp_path, comm,
-                                                                 bucket_mb, trainer):
-    """ZeRO 2 (or PP 2) trainer -> policy TP 2 x 2 replicas over one gloo group; buckets smaller (0.1 MiB) and
-    larger (8 MiB) than the largest tensor (the 0.26 MiB embedding); the debug check compares digests too."""
-    workers, by_name, route = _sync_setup(tiny_model_dir, tmp_path, comm, bucket_mb, trainer)
+@pytest.mark.parametrize(("comm", "bucket_mb", "trainer", "policy_tp", "free"), [
+    ("broadcast", 0.1, "zero2", 2, False), ("p2p", 8.0, "zero2", 2, False), ("p2p", 0.1, "pp2", 2, False),
+    ("broadcast", 0.1, "tp2", 4, True)])
+def test_sharded_trainer_syncs_into_other_shardings_bit_exactly(ray_session, tiny_model_dir, tmp_path, comm,
+                                                                bucket_mb, trainer, policy_tp, free):
+    """ZeRO 2, PP 2 or TP 2 trainer -> policy TP 2 x 2 replicas or TP 4 over one gloo group; buckets smaller
+    (0.1 MiB) and larger (8 MiB) than the largest tensor (the 0.26 MiB embedding); the debug check compares
+    digests too. With ``free_sync_collective_group`` two syncs each join and leave their own group."""
+    workers, by_name, route = _sync_setup(tiny_model_dir, tmp_path, comm, bucket_mb, trainer, policy_tp, free)
     try:
         src, dst = workers.groups["ppo_policy"], workers.groups["policy"]
-        ray.get(src.heads[0].call.remote("train_step", micro_batches(), 0))  # weights now differ from the files
-        want = ray.get(src.heads[0].get_weights.remote())
-        before = ray.get(dst.heads[1].get_weights.remote())
-        assert any(not torch.equal(before[k], want[k]) for k in want)
-        stats = sync_routes([route], by_name.__getitem__)[route.key]
-        assert stats["bytes"] == sum(t.numel() * t.element_size() for t in want.values())
-        for head in dst.heads:
-            got = ray.get(head.get_weights.remote())
-            assert all(torch.equal(got[k], want[k]) for k in want)
-            shards = ray.get(head.ranks[1].call.remote("sync_targets"))
-            assert any(type(t).__name__ == "DTensor" for t in shards.values())  # still TP-sharded
+        assert [len(rep) for rep in dst.replicas] == [policy_tp] * (4 // policy_tp)
+        for step in range(2 if free else 1):
+            # weights now differ from the files (and from the last sync)
+            ray.get(src.heads[0].call.remote("train_step", micro_batches(seed=step), step))
+            want = ray.get(src.heads[0].get_weights.remote())
+            before = ray.get(dst.heads[-1].get_weights.remote())
+            assert any(not torch.equal(before[k], want[k]) for k in want)
+            stats = sync_routes([route], by_name.__getitem__)[route.key]
+            assert stats["bytes"] == sum(t.numel() * t.element_size() for t in want.values())
+            for head in dst.heads:
+                got = ray.get(head.get_weights.remote())
+                assert all(torch.equal(got[k], want[k]) for k in want)
+                shards = ray.get(head.ranks[1].call.remote("sync_targets"))
+                assert any(type(t).__name__ == "DTensor" for t in shards.values())  # still TP-sharded
+            if free:  # every member left the group after the sync
+                assert not any(ray.get([by_name[p].__ray_call__.remote(lambda w: bool(w.sync_groups))
+                                        for p in route.members]))
     finally:
         workers.kill()
 
@@ -229,6 +239,20 @@ def test_a_killed_receiver_is_an_error_naming_the_group(ray_session, tiny_model_
         assert route.members[-1] in str(info.value) or "rank" in str(info.value)
     finally:
         workers.kill()
+
+
+def test_the_debug_check_names_the_first_tensor_that_differs():
+    from chatlearn.runtime.sync import first_mismatch
+
+    route = SyncRoute(key="t->p", src="t", dst="p", src_ranks=["w0"], dst_ranks=[["w1"], ["w2", "w3"]],
+                      specs=[("a", [2], "float32"), ("b", [2], "float32")])
+    sent = {"a": "1", "b": "2"}
+    results = {"w0": {"digests": sent}, "w1": {"digests": sent}, "w2": {"digests": sent},
+               "w3": {"digests": {"a": "1", "b": "x"}}}
+    assert first_mismatch(route, results) == ("param sync t->p (debug check): p replica 1 rank 1 (process w3) has "
+                                              "'b' different from t's after the sync")
+    results["w3"] = {"digests": sent}
+    assert first_mismatch(route, results) is None
 
 
 def test_mismatched_models_are_refused_at_setup():
