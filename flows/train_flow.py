@@ -30,6 +30,7 @@ from chatlearn.checkpoint.resume import (
     resume_point,
 )
 from chatlearn.config import ChatLearnConfig
+from chatlearn.models.parallel import ParallelDims
 from chatlearn.runtime.handles import RunHandle, settle_peers
 from chatlearn.runtime.launch import launch
 from chatlearn.runtime.model_group import ModelGroup
@@ -53,6 +54,7 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
     run_dir.mkdir(parents=True, exist_ok=True)
     with launch(cfg, eng, data_checkpoint_dir(cfg)) as (run, groups, stream):
         _show_placement(run)
+        _show_layouts(cfg)
         heads = {name: group.heads[0] for name, group in groups.items()}
         if resumed is not None:
             load_model_checkpoints([heads[m] for m in eng.plan.trainers], resumed.train_iteration)
@@ -98,6 +100,22 @@ def _show_placement(run: RunHandle) -> None:
     sys.stderr.write(f"placement ({n} worker process{'es' if n != 1 else ''}):\n{table_text(run.placement)}\n")
     create_table_artifact(key=artifact_key(run.exp_name, "placement"), table=run.placement,
                           description=f"where each model rank of {run.exp_name} runs")
+
+
+def _show_layouts(cfg: ChatLearnConfig) -> None:
+    """One line per model whose replicas span processes: how they split (chatlearn.models.parallel)."""
+    parts = []
+    for name, m in cfg.models.items():
+        procs = m.layout.processes
+        if procs < 2:
+            continue
+        dims = ParallelDims.of(procs, m.tensor_model_parallel_size or 1, m.zero_size or 1,
+                               m.pipeline_model_parallel_size or 1)
+        kinds = [f"{label} {getattr(dims, d)}" for d, label in (("dp", "DP"), ("shard", "ZeRO"), ("tp", "TP"),
+                                                                 ("pp", "PP")) if getattr(dims, d) > 1]
+        parts.append(f"{name} {' x '.join(kinds)}")
+    if parts:
+        sys.stderr.write(f"parallel layouts: {', '.join(parts)}\n")
 
 
 train_flow = PrevalidatedFlow(fn=_train, name="chatlearn-train", log_prints=True)

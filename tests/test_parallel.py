@@ -414,3 +414,14 @@ def test_dpo_trainer_layouts_give_one_process_gradients(ray_session, tiny_model_
         assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
     worst = max(float((got[n] - want[n]).abs().max()) for n in want)
     assert worst <= 1e-6 * max(1.0, max(float(want[n].abs().max()) for n in want)), worst
+
+
+def test_the_run_says_how_each_multi_process_model_splits(capsys):
+    from flows.train_flow import _show_layouts
+
+    cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "default.yaml"),
+                      ["models.ppo_policy.cpu_per_process=1", "models.ppo_policy.zero_size=2",
+                       "models.ppo_value.cpu_per_process=1", "models.policy.cpu_per_process=1",
+                       "models.policy.tensor_model_parallel_size=2"])
+    _show_layouts(cfg)
+    assert capsys.readouterr().err == "parallel layouts: policy TP 2, ppo_policy ZeRO 2, ppo_value DP 2\n"
