@@ -7,7 +7,7 @@ methods are interleaved (A B C ... A B C ...), the first round is a warm-up (fir
 medians are reported: seconds, GB/s per receiver, and the ratio to the raw transfer of the same kind
 (broadcast to raw broadcast, p2p to raw sends). Every sync is checked bit-exact (SHA-256 per tensor).
 
-    .venv/bin/python bench/param_sync.py [--rounds 5] [--layers 8] [--nccl]
+    .venv/bin/python bench/param_sync.py [--rounds 7] [--layers 8] [--nccl]
 
 Writes `bench/results/param_sync.json`. ``--nccl`` runs the same on GPUs (one per process) with NCCL groups,
 for a machine that has three GPUs or more; without it, everything is CPU/gloo, as in CI.
@@ -120,7 +120,7 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: dict)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (8: ~106M parameters)")
     ap.add_argument("--receivers", type=int, default=2)
     ap.add_argument("--nccl", action="store_true", help="GPUs and NCCL instead of CPU and gloo")
