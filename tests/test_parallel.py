@@ -21,8 +21,6 @@ from chatlearn.runtime.param_sync import SyncError
 from chatlearn.runtime.placement import plan_placement
 from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route, sync_routes
 
-pytestmark = pytest.mark.integration
-
 
 class GradProbe(PPOPolicyTrainer):
     """The PPO policy trainer, plus a look at its gradients after a step (whole tensors, gathered)."""
@@ -94,6 +92,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_layout_gives_one_process_loss_and_gradients(ray_session, tiny_model_dir, tmp_path, layout):
     shape = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(tiny_model_dir), **LAYOUTS[layout]}
@@ -137,6 +136,7 @@ def test_the_tp_plan_comes_from_transformers_config(tiny_model_dir):
     assert type(plan["model.layers.0.self_attn.o_proj"]).__name__ == "RowwiseParallel"
 
 
+@pytest.mark.integration
 def test_sharded_checkpoints_load_into_other_world_sizes(ray_session, tiny_model_dir, tmp_path):
     """ZeRO 2 writes a torch distributed checkpoint; it loads into one process and into TP 2, equal."""
     base = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(tiny_model_dir)}
@@ -194,6 +194,7 @@ def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float, trainer: 
     return workers, by_name, route
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("comm", "bucket_mb", "trainer", "policy_tp", "free"), [
     ("broadcast", 0.1, "zero2", 2, False), ("p2p", 8.0, "zero2", 2, False), ("p2p", 0.1, "pp2", 2, False),
     ("broadcast", 0.1, "tp2", 4, True)])
@@ -226,6 +227,7 @@ def test_sharded_trainer_syncs_into_other_shardings_bit_exactly(ray_session, tin
         workers.kill()
 
 
+@pytest.mark.integration
 def test_a_killed_receiver_is_an_error_naming_the_group(ray_session, tiny_model_dir, tmp_path):
     workers, by_name, route = _sync_setup(tiny_model_dir, tmp_path, "broadcast", 0.1)
     try:
@@ -281,6 +283,7 @@ def _default_run(tmp_path, tiny_model_dir, name: str, extra: list[str]) -> list[
     return rows
 
 
+@pytest.mark.integration
 def test_default_with_zero2_trainers_and_tp2_policy_follows_the_single_process_run(
         prefect_api, ray_session, tiny_model_dir, tmp_path):
     """Two episodes of the embedded default: trainers ZeRO 2 (FSDP2), policy TP 2, all colocated in a 2-process
@@ -328,6 +331,7 @@ def test_routes_run_in_waves_of_param_sync_max_workers(monkeypatch):
     assert [e[0] for e in events] == ["start"] * 5 + ["finish"] * 5
 
 
+@pytest.mark.integration
 def test_pipeline_stages_generate_and_score_as_one_process(ray_session, tiny_model_dir, tmp_path):
     """Policy in 2 pipeline stages: the same sampled responses (per-sample sampler) and log-probs as one
     process; greedy eval too."""
@@ -358,6 +362,7 @@ def test_pipeline_stages_generate_and_score_as_one_process(ray_session, tiny_mod
     assert torch.equal(got_eval["response_ids"], want_eval["response_ids"])
 
 
+@pytest.mark.integration
 def test_a_dead_data_parallel_peer_is_an_error_naming_the_replica(ray_session, tiny_model_dir, tmp_path):
     """DP 2 trainer, rank 1's process killed: rank 0's step fails (not hangs), naming model, replica and rank."""
     cfg = config({"ppo_policy": {"trainable": True, "cpu_per_process": 1, "num_cpu": 2,
@@ -390,6 +395,7 @@ def pair_batches(n: int = 3) -> list[dict]:
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", ["dp2", "zero2"])
 def test_dpo_trainer_layouts_give_one_process_gradients(ray_session, tiny_model_dir, tmp_path, layout):
     """The DPO trainer runs two forward passes per micro-batch (chosen, rejected) before one backward; with DDP
