@@ -18,14 +18,8 @@ from chatlearn.checkpoint.model_checkpoint import (
     save_model_checkpoint,
 )
 from chatlearn.models.base_module import BaseModule
-from chatlearn.models.parallel import (
-    PipelinedLM,
-    clip_grad_norm,
-    full_tensor,
-    gather_stages,
-    load_full_tensor,
-    parallelize,
-)
+from chatlearn.models.parallel import clip_grad_norm, full_tensor, load_full_tensor, parallelize
+from chatlearn.models.pipeline import PipelinedLM, gather_stages
 from chatlearn.utils.devices import fake_gpus
 
 

@@ -28,7 +28,7 @@ from chatlearn.models.hf.common import (
 )
 from chatlearn.models.hf.lora import LoraTrainerMixin
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
-from chatlearn.models.parallel import pipeline_train
+from chatlearn.models.pipeline import pipeline_train
 
 
 class OptimArgs(HFModelArgs):
