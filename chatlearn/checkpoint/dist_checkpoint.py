@@ -23,14 +23,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from chatlearn.checkpoint.model_checkpoint import (
-    FORMAT_VERSION,
     MANIFEST,
     capture_rng_state,
+    replace_dir,
     restore_rng_state,
-    sha256_file,
     verify_model_checkpoint,
+    write_manifest,
 )
-from chatlearn.utils.files import fsync_file
 
 DCP_FORMAT = "torch-dcp"
 
@@ -48,6 +47,19 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
+def _world_size(group: Any) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What DCP saves and loads: the model's state dict (by parameter name, sharded where the model is) and
+    the optimizer's, keyed by parameter name too."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
 def _barrier(group: Any) -> None:
     if group is not None and dist.is_initialized():
         dist.barrier(group=group)
@@ -62,35 +74,16 @@ def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(group)
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model)}
-    dcp.save(state, checkpoint_id=tmp, process_group=group)
+    dcp.save(_state(model, optimizer), checkpoint_id=tmp, process_group=group)
     with open(os.path.join(tmp, f"rng_state_{rank}.json"), "w") as f:
         json.dump(capture_rng_state(), f)
     if rank == 0 and scheduler is not None:
         torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
     _barrier(group)
     if rank == 0:
-        files = sorted(n for n in os.listdir(tmp))
-        for name in files:
-            fsync_file(os.path.join(tmp, name))
-        manifest = {"format_version": FORMAT_VERSION, "format": DCP_FORMAT,
-                    "files": {n: sha256_file(os.path.join(tmp, n)) for n in files},
-                    "world_size": dist.get_world_size(group) if group is not None else 1, "meta": meta or {}}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(path):
-            old = f"{path}.old-{os.getpid()}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        write_manifest(tmp, sorted(os.listdir(tmp)), format=DCP_FORMAT, world_size=_world_size(group),
+                       meta=meta or {})
+        replace_dir(tmp, path)
     _barrier(group)
     return path
 
@@ -105,11 +98,7 @@ def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     manifest = verify_model_checkpoint(path)
     if manifest.get("format") != DCP_FORMAT:
         raise ValueError(f"{path}: not a sharded checkpoint")
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model)}
+    state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=path, process_group=group)
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -119,7 +108,7 @@ def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
         scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
     rank = _rank(group)
     rng = os.path.join(path, f"rng_state_{rank}.json")
-    if manifest.get("world_size") != (dist.get_world_size(group) if group is not None else 1):
+    if manifest.get("world_size") != _world_size(group):
         rng = os.path.join(path, "rng_state_0.json")
     with open(rng) as f:
         restore_rng_state(json.load(f))

@@ -81,14 +81,27 @@ def save_model_checkpoint(path: str, weights: dict[str, torch.Tensor], *, optimi
         with open(os.path.join(tmp, "rng_state.json"), "w") as f:
             json.dump(rng, f)
         files.append("rng_state.json")
+    write_manifest(tmp, files, meta=meta or {})
+    replace_dir(tmp, path)
+    return path
+
+
+def write_manifest(tmp: str, files: list[str], **fields: Any) -> None:
+    """fsync ``files`` of the directory ``tmp``, then write the manifest (their SHA-256 and ``fields``) last,
+    synced: a directory with a manifest is complete."""
     for name in files:
         fsync_file(os.path.join(tmp, name))
-    manifest = {"format_version": FORMAT_VERSION, "files": {n: sha256_file(os.path.join(tmp, n)) for n in files},
-                "meta": meta or {}}
+    manifest = {"format_version": FORMAT_VERSION, **{k: v for k, v in fields.items() if k != "meta"},
+                "files": {n: sha256_file(os.path.join(tmp, n)) for n in files}, "meta": fields.get("meta", {})}
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_dir(tmp: str, path: str) -> None:
+    """Move the finished directory ``tmp`` to ``path``, replacing what is there, so ``path`` is never half
+    written (the old one is renamed away first and removed after)."""
     if os.path.exists(path):
         old = f"{path}.old-{os.getpid()}"
         os.replace(path, old)
@@ -96,7 +109,6 @@ def save_model_checkpoint(path: str, weights: dict[str, torch.Tensor], *, optimi
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
-    return path
 
 
 def verify_model_checkpoint(path: str) -> dict[str, Any]:

@@ -156,11 +156,11 @@ class ParallelContext:
         have reduced them in the backward already)."""
         if self.dims.dp == 1 or getattr(model, "_chatlearn_reduces_grads", False):
             return
-        grads = [_local(p.grad) for p in model.parameters() if p.requires_grad]
-        for p, g in zip([p for p in model.parameters() if p.requires_grad], grads, strict=True):
-            if g is None:  # this rank's micro-batches did not touch it: it adds zero
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # this rank's micro-batches did not touch it: it adds zero
                 p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in model.parameters() if p.requires_grad]
+        grads = [_local(p.grad) for p in params]
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.dim_groups["dp"])
         for g, s in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):

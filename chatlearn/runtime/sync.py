@@ -142,13 +142,12 @@ def first_mismatch(route: SyncRoute, results: dict[str, dict]) -> str | None:
 def start(route: SyncRoute, actor: Callable[[str], Any]) -> dict[str, Any]:
     """Submit the route's sync to every process of it; :func:`finish` waits."""
     if not route.collective:
+        # every trainer rank gathers (a collective when sharded); rank 0's weights go to every receiver
         weights = actor(route.src_ranks[0]).run.remote(route.src, "get_weights")
-        others = [actor(p).run.remote(route.src, "get_weights") for p in route.src_ranks[1:]]
-        sets = [actor(p).run.remote(route.dst, "set_weights", weights) for rep in route.dst_ranks for p in rep]
-        return {"route": route, "refs": dict(zip([f"{route.src}:{p}" for p in route.src_ranks[1:]], others,
-                                                 strict=True))
-                | {f"{route.dst}:{p}": r for p, r in zip([p for rep in route.dst_ranks for p in rep], sets,
-                                                         strict=True)}}
+        refs = {f"{route.src}:{p}": actor(p).run.remote(route.src, "get_weights") for p in route.src_ranks[1:]}
+        refs |= {f"{route.dst}:{p}": actor(p).run.remote(route.dst, "set_weights", weights)
+                 for rep in route.dst_ranks for p in rep}
+        return {"route": route, "refs": refs}
     if route.free_group:
         connect(route, actor)
     body = route.model_dump()

@@ -65,6 +65,7 @@ from chatlearn.checkpoint.model_checkpoint import (
     CheckpointError,
     capture_rng_state,
     load_model_checkpoint,
+    replace_dir,
     restore_rng_state,
     save_model_checkpoint,
 )
@@ -466,13 +467,7 @@ class LoraTrainerMixin:
                 self.model.save_pretrained(tmp, state_dict=full)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
-            if os.path.exists(path):
-                old = f"{path}.old-{os.getpid()}"
-                os.replace(path, old)
-                os.replace(tmp, path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, path)
+            replace_dir(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
