@@ -1,10 +1,13 @@
-"""`chatlearn` command: `train`, `eval`, `config` and `plan`, each `[CONFIG] [key=value ...]`.
+"""`chatlearn` command: `train`, `eval`, `config`, `plan`, `deploy`, `serve`, each `[CONFIG] [key=value ...]`,
+and `server`.
 
 Without CONFIG the embedded default (`configs/default.yaml`) is used. Dotted overrides after the config win
 over everything in the files (`runtime.num_episode=3 models.policy.num_cpu=1`). `train` and `eval` validate
 the config and their engine's needs, with every problem listed, before any Prefect or Ray resource exists;
 `config` prints what ChatLearn's loader would resolve (`--check` adds the engine's checks); `plan` prints
 where every model rank would run on a cluster of `--nodes` x `--gpus-per-node` without starting Ray.
+`deploy` registers the config as a Prefect deployment (the UI's run form is the config) that a process
+worker runs, `serve` runs one from this process, `server` keeps the local Prefect server and its UI up.
 
 The commands import torch, Ray and Prefect only when they run, so `chatlearn config` answers at once.
 """
@@ -111,6 +114,49 @@ def cmd_train(items: list[str]) -> int:
     return 0
 
 
+def cmd_server() -> int:
+    from chatlearn.runtime.prefect_server import serve_forever  # lazy: Prefect loads only when a command needs it
+
+    serve_forever(announce=_announce)
+    return 0
+
+
+def cmd_deploy(items: list[str], how: str, name: str | None, cron: str | None, on_overlap: str | None,
+               evaluate: bool, work_pool: str | None) -> int:
+    """`deploy`: register on the work pool and exit; `serve`: register and run the deployment here."""
+    # the flags are the config's `deployment` section, validated with it (a bad cron names deployment.cron)
+    flags = {"name": name, "cron": cron, "on_overlap": on_overlap, "work_pool": work_pool}
+    items = items + [f"deployment.{key}={value}" for key, value in flags.items() if value is not None]
+    cfg = _load(items)
+    if evaluate:
+        _load(items, engine="eval")  # the eval deployment's checks too, before anything is registered
+    # lazy: Prefect loads only for the commands that run something; `flows.deployments` is the command's one
+    # upward arrow (it registers the flows, see tests/test_layers.py)
+    from chatlearn.runtime.prefect_server import local_prefect_api
+    from flows import deployments
+
+    spec = deployments.deployment_spec(cfg)
+    said: list[str] = []
+    with local_prefect_api(announce=lambda msg: (said.append(msg), _announce(msg))) as url:
+        ui = url.removesuffix("/api")
+        if how == "serve":
+            _announce(f"serving {deployments.TRAIN_FLOW}/{spec.name}"
+                      + (f" on schedule '{spec.cron}'" if spec.cron else "") + "; run it from the UI: "
+                      f"{ui}/deployments (Ctrl-C stops serving and pauses its schedule)")
+            deployments.serve(cfg, spec, evaluate)
+            return 0
+        ids = deployments.deploy(cfg, spec, evaluate)
+    for full_name, dep_id in ids.items():
+        print(f"deployed {full_name}: {ui}/deployments/deployment/{dep_id}")
+    schedule = f"scheduled '{spec.cron}' ({spec.timezone or 'UTC'})" if spec.cron else "no schedule"
+    print(f"{schedule}; overlapping runs: {spec.on_overlap}; work pool: {spec.work_pool}")
+    print(f"runs need a worker: PREFECT_API_URL={url} prefect worker start --pool {spec.work_pool}")
+    if any("(started local server)" in msg for msg in said):
+        _announce("note: no Prefect server was running, so the one started here stopped again; keep one up "
+                  "with `chatlearn server` (or set PREFECT_API_URL) for the UI, schedules and the worker")
+    return 0
+
+
 def _config_warnings_as_lines(previous: Callable[..., None]) -> Callable[..., None]:
     """A `warnings.showwarning` that prints a ConfigWarning as one `chatlearn: warning:` line."""
 
@@ -136,15 +182,35 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = previous
 
 
-def _main(argv: list[str] | None) -> int:
+_COMMANDS: dict[str, tuple[str, str]] = {
+    # name: (one-line help, example)
+    "train": ("train with a config (default: the embedded tiny PPO run); re-running resumes from the last "
+              "checkpoint", "chatlearn train configs/grpo.yaml runtime.num_episode=3"),
+    "eval": ("evaluate a policy on the config's eval set",
+             "chatlearn eval models.policy.args_dict.model_path=output/default/final/policy"),
+    "config": ("print a config resolved, as JSON (as ChatLearn's loader resolves it)",
+               "chatlearn config configs/dpo.yaml --check runtime.num_episode=2"),
+    "plan": ("print where every model rank would run on a cluster, as JSON (no Ray started)",
+             "chatlearn plan configs/default.yaml --nodes 2 --gpus-per-node 8"),
+    "deploy": ("register a Prefect deployment of the config on a process work pool: the UI's run form is the "
+               "config; a worker runs it (prefect worker start --pool chatlearn)",
+               'chatlearn deploy configs/grpo.yaml --cron "0 3 * * *" --name nightly-grpo --evaluate'),
+    "serve": ("serve a deployment of the config from this process (Prefect's flow.serve: no work pool, no "
+              "worker) until Ctrl-C", 'chatlearn serve configs/default.yaml --cron "*/30 * * * *"'),
+    "server": ("start the local Prefect server the way `train` does and keep it up until Ctrl-C; prints the UI "
+               "address and the PREFECT_API_URL for workers", "chatlearn server"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatlearn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in [("train", "train with a config (default: the embedded tiny PPO run)"),
-                        ("eval", "evaluate a policy on the eval set (models.policy.args_dict.model_path=DIR)"),
-                        ("config", "print a config resolved, as JSON (as ChatLearn's loader resolves it)"),
-                        ("plan", "print where every model rank would run on a cluster, as JSON (no Ray started)")]:
-        p = sub.add_parser(name, help=help_)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_, example) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {example}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == "server":
+            continue
         if name == "plan":
             p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
             p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0)")
@@ -154,13 +220,45 @@ def _main(argv: list[str] | None) -> int:
             p.add_argument("--check", action="store_true",
                            help="also run the checks `chatlearn train` runs (engine models, module args, hooks, "
                                 "fields not supported yet)")
-        p.add_argument("args", nargs="*", metavar="CONFIG|key=value")
-    ns = parser.parse_args(argv)
+        if name in ("deploy", "serve"):
+            p.add_argument("--name", help="deployment name (default: the config's deployment.name, else "
+                                          "runtime.exp_name)")
+            p.add_argument("--cron", help="cron schedule of runs, e.g. '0 3 * * *' (default: the config's "
+                                          "deployment.cron, else no schedule)")
+            p.add_argument("--on-overlap", choices=["skip", "queue"], default=None,
+                           help="a run that finds the deployment's previous run still going: skip (cancel it) "
+                                "or queue (wait); default: the config's deployment.on_overlap (skip)")
+            p.add_argument("--evaluate", action="store_true",
+                           help="also register an eval deployment that an automation starts when a run of this "
+                                "deployment completes, evaluating its final/policy")
+        if name == "deploy":
+            p.add_argument("--work-pool", default=None,
+                           help="process work pool (created if missing; default: the config's "
+                                "deployment.work_pool, 'chatlearn')")
+        p.add_argument("args", nargs="*", metavar="CONFIG|key=value",
+                       help="a YAML config (default: the embedded default), then dotted overrides")
+    return parser
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _parser()
+    # flags may come before or after the config and its overrides (argparse stops at the first positional)
+    ns, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or not hasattr(ns, "args")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        ns.args = [*ns.args, *extra]
     try:
         if ns.command == "config":
             return cmd_config(ns.args, ns.check)
         if ns.command == "plan":
             return cmd_plan(ns.args, ns.nodes, ns.gpus_per_node, ns.cpus_per_node)
+        if ns.command == "server":
+            return cmd_server()
+        if ns.command in ("deploy", "serve"):
+            return cmd_deploy(ns.args, ns.command, ns.name, ns.cron, ns.on_overlap, ns.evaluate,
+                              getattr(ns, "work_pool", None))
         return {"train": cmd_train, "eval": cmd_eval}[ns.command](ns.args)
     except ConfigError as exc:
         print(f"chatlearn: invalid config ({len(exc.problems)} problem(s)):", file=sys.stderr)

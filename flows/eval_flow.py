@@ -2,23 +2,64 @@
 
 `chatlearn eval CONFIG models.policy.args_dict.model_path=output/default/final/policy` runs it (ChatLearn's
 EvalEngine). Only the `policy` and `reward` models of the config are started.
+
+Continuous evaluation: `chatlearn deploy CONFIG --evaluate` also registers an eval deployment that an
+automation starts whenever a run of the train deployment completes; it gets that run's id (`train_run`),
+evaluates its `final/policy` and writes `eval/eval.json` into its run directory.
 """
 
 import json
 import os
 import sys
 from typing import Any
+from uuid import UUID
 
-from chatlearn.config import ChatLearnConfig
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
 from chatlearn.runtime.launch import launch
 from chatlearn.runtime.plan import resolve_engine
-from flows.prevalidated import ConfigParam, PrevalidatedFlow
+from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
 
-def _eval(config: ConfigParam, modules: dict[str, Any] | None = None) -> dict:
-    """Evaluate once; writes `run_dir/eval.json` and returns the metrics."""
-    cfg: ChatLearnConfig = config
+def outputs_of_run(flow_run: str) -> dict[str, str]:
+    """What a finished train flow run left (`run_dir`, `final_policy`), from its outputs artifact.
+
+    `flow_run` is a flow run id or an event resource id (`prefect.flow-run.<id>`, what a trigger passes).
+    """
+    run_id = UUID(flow_run.removeprefix("prefect.flow-run."))
+    flt = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(like_="%-outputs"))
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=flt)
+    if not found:
+        raise ValueError(f"train_run: flow run {run_id} has no outputs artifact (not a completed chatlearn-train run)")
+    data = found[0].data
+    rows = json.loads(data) if isinstance(data, str) else data
+    return {row["output"]: row["path"] for row in rows}
+
+
+def _eval(config: ConfigParam | None = None, config_path: str | None = None, overrides: list[str] | None = None,
+          train_run: str | None = None, modules: dict[str, Any] | None = None) -> dict:
+    """Evaluate once; writes `run_dir/eval.json` and returns the metrics.
+
+    Args:
+        config: the whole config (the run form of a deployment, pre-filled with its config)
+        config_path: a YAML config instead of `config` (relative to the run's working directory); default:
+            the embedded default
+        overrides: dotted `key=value` overrides applied on top, e.g. `models.policy.args_dict.model_path=DIR`
+        train_run: a completed train flow run (id or `prefect.flow-run.<id>`, what the completion trigger
+            passes): its `final/policy` is evaluated and `eval.json` goes into its run directory's `eval/`
+        modules: model objects by role (Python callers only)
+    """
+    overrides = list(overrides or ())
+    if train_run:
+        outputs = outputs_of_run(train_run)
+        if "final_policy" not in outputs:
+            raise ValueError(f"train_run: {train_run} exported no final policy (its engine exports none)")
+        overrides += [f"models.policy.args_dict.model_path={outputs['final_policy']}",
+                      f"runtime.output_dir={outputs['run_dir']}", "runtime.exp_name=eval"]
+    cfg = config_of(config, config_path, overrides)
     eng = resolve_engine(cfg, modules, "eval")  # raises ConfigError before any actor exists
     with launch(cfg, eng) as (run, _groups, _stream):
         result = evaluate(run, -1)

@@ -5,14 +5,26 @@ checks first, all problems in one error, so an invalid config never shows up in 
 Deployment runs skip `__call__`: Prefect validates the parameter against the config's schema (server side,
 then in the flow run), and the flow body runs the engine's checks before any actor exists. A config checks
 each engine's checks once (it remembers what it passed), however many of these layers ask.
+
+A direct call with no Prefect API configured runs against the shared local server that `chatlearn train`
+uses (`chatlearn.runtime.prefect_server.local_prefect_api`, announced on stderr), not in Prefect's
+ephemeral mode: that temporary API is gone when the call returns (the UI never shows the run) and is broken
+with Ray (every worker starts its own). Inside a flow run (a subflow, or a deployment run executed by a
+worker) the call changes nothing: its runs belong with the parent's, on the parent's API.
 """
 
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from prefect import Flow
+from prefect.context import FlowRunContext, TaskRunContext
 from pydantic import BeforeValidator
 
-from chatlearn.config import ChatLearnConfig, EngineChecks, load_config
+from chatlearn.config import ChatLearnConfig, ConfigCheck, ConfigError, EngineChecks, load_config
+from chatlearn.runtime.prefect_server import local_prefect_api
 
 
 def _load_if_not_config(value: Any) -> Any:
@@ -21,6 +33,15 @@ def _load_if_not_config(value: Any) -> Any:
 
 # A config object, a YAML path or a dict: what a flow's `config` parameter accepts.
 ConfigParam = Annotated[ChatLearnConfig, BeforeValidator(_load_if_not_config)]
+
+
+def config_of(config: Any = None, config_path: str | None = None, overrides: Sequence[str] | None = None,
+              checks: Sequence[ConfigCheck] = ()) -> ChatLearnConfig:
+    """The config a flow's parameters name: `config` (a typed config, dict or path: the deployment's run
+    form) or `config_path` (a YAML file, default: the embedded default), with dotted `overrides` on top."""
+    if config is not None and config_path:
+        raise ConfigError("config_path: give either config or config_path, not both")
+    return load_config(config if config is not None else config_path, list(overrides or ()), checks)
 
 
 class PrevalidatedFlow(Flow):
@@ -33,7 +54,24 @@ class PrevalidatedFlow(Flow):
         super().__init__(fn=fn, **kwargs)
         self.fixed_engine = engine
 
-    def __call__(self, config: Any, modules: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    def __call__(self, config: Any = None, modules: dict[str, Any] | None = None, *, config_path: str | None = None,
+                 overrides: Sequence[str] | None = None, **kwargs: Any) -> Any:
         engine = self.fixed_engine or kwargs.get("engine")
-        cfg = load_config(config, (), [EngineChecks(engine, modules or {})])
-        return super().__call__(cfg, modules=modules, **kwargs)
+        cfg = config_of(config, config_path, overrides, [EngineChecks(engine, modules or {})])
+        with _api_for_direct_call():
+            return super().__call__(cfg, modules=modules, **kwargs)
+
+
+def _announce(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def in_flow_run() -> bool:
+    """True inside a flow or task run: a subflow, or a deployment run (the worker sets the flow run id)."""
+    return bool(FlowRunContext.get() or TaskRunContext.get() or os.environ.get("PREFECT__FLOW_RUN_ID"))
+
+
+def _api_for_direct_call() -> contextlib.AbstractContextManager[Any]:
+    """The shared local server when no API is configured (`local_prefect_api` yields a configured one as is);
+    nothing inside a flow run."""
+    return contextlib.nullcontext() if in_flow_run() else local_prefect_api(announce=_announce)

@@ -36,22 +36,35 @@ from chatlearn.runtime.launch import launch
 from chatlearn.runtime.model_group import ModelGroup
 from chatlearn.runtime.placement import table_text
 from chatlearn.runtime.plan import resolve_engine
-from chatlearn.runtime.reporting import EpisodeReporter, artifact_key
+from chatlearn.runtime.profiling import EpisodeInstruments
+from chatlearn.runtime.reporting import EpisodeReporter, RunArtifacts, artifact_key
+from chatlearn.runtime.run_record import claim_run_dir
 from chatlearn.runtime.sync import sync_routes
 from chatlearn.utils.faults import crash_point
 from flows.episode_flow import episode_flow
-from flows.prevalidated import ConfigParam, PrevalidatedFlow
+from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
 
-def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: str | None = None) -> dict:
-    """Train with a ChatLearn config (object or YAML path); returns the last episode's metrics."""
+def _train(config: ConfigParam | None = None, config_path: str | None = None, overrides: list[str] | None = None,
+           modules: dict[str, Any] | None = None, engine: str | None = None) -> dict:
+    """Train with a ChatLearn config; returns the last episode's metrics.
+
+    Args:
+        config: the whole config (the run form of a `chatlearn deploy` deployment, pre-filled with its config)
+        config_path: a YAML config instead of `config` (relative to the run's working directory); default:
+            the embedded default
+        overrides: dotted `key=value` overrides applied on top, e.g. `runtime.num_episode=3`
+        modules: model objects by role (Python callers only)
+        engine: the engine (`rlhf`, `grpo`, `dpo`, `online_dpo`); default: `runtime.engine`
+    """
     t_start = time.perf_counter()
-    cfg: ChatLearnConfig = config
+    cfg = config_of(config, config_path, overrides)
     eng = resolve_engine(cfg, modules, engine)  # raises ConfigError before any actor exists
     resumed = resume_point(cfg)  # a missing or bad chosen record fails here too
     run_dir = Path(cfg.runtime.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir)  # a SIGKILLed earlier run here still shows Running: mark it Crashed, record us
     with launch(cfg, eng, data_checkpoint_dir(cfg)) as (run, groups, stream):
         _show_placement(run)
         _show_layouts(cfg)
@@ -78,7 +91,19 @@ def _train(config: ConfigParam, modules: dict[str, Any] | None = None, engine: s
             sys.stderr.write(f"old log-probs: {src}\n")
         startup = time.perf_counter() - t_start
         sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
-        return _run_episodes(cfg, run, groups, run_dir, resumed, startup, params.get(eng.plan.export, {}))
+        last = _run_episodes(cfg, run, groups, run_dir, resumed, startup, params.get(eng.plan.export, {}))
+    _show_outputs(cfg, last)
+    return last
+
+
+def _show_outputs(cfg: ChatLearnConfig, last: dict[str, Any]) -> None:
+    """Where the run's results are, as an artifact of this flow run: what a triggered eval reads
+    (`flows.eval_flow.outputs_of_run`) and what the UI shows."""
+    rows = [{"output": "run_dir", "path": str(Path(cfg.runtime.run_dir).resolve())}]
+    if last.get("final_policy"):
+        rows.append({"output": "final_policy", "path": str(Path(last["final_policy"]).resolve())})
+    create_table_artifact(key=artifact_key(cfg.runtime.exp_name, "outputs"), table=rows,
+                          description=f"where the outputs of {cfg.runtime.exp_name} are")
 
 
 def _parameter_counts(heads: dict[str, Any], trainers: list[str]) -> dict[str, dict[str, int]]:
@@ -135,6 +160,8 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     store = DataCheckpointStore(run.data_checkpoint_path)
     first = resumed.episode + 1 if resumed is not None else 0
     reporter = EpisodeReporter(cfg, run_dir, first_episode=first)
+    artifacts = RunArtifacts(rt.exp_name, run_dir)  # metrics table + curve: one of each per run, kept current
+    instruments = EpisodeInstruments.of(rt, groups, first)  # runtime.nsys ranges, runtime.profiler_dir traces
     progress_id = create_progress_artifact(progress=100.0 * first / max(1, rt.num_episode),
                                            key=reporter.artifact_key("progress"),
                                            description=f"episodes of {rt.exp_name}")
@@ -153,7 +180,8 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
             crash_point("episode_start", episode)
-            metrics = episode_flow(run, episode, consumed, iteration)
+            with instruments.episode(episode):
+                metrics = episode_flow(run, episode, consumed, iteration)
             consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
             if initial_eval is not None and episode == 0:
                 metrics["eval_reward_mean_before_training"] = initial_eval
@@ -176,8 +204,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
                     description="where a re-run of this config resumes from",
                 )
             update_progress_artifact(progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
-            create_table_artifact(key=reporter.artifact_key("metrics"), table=reporter.table(),
-                                  description=f"per-episode metrics of {rt.exp_name}")
+            artifacts.update(reporter.rows)
             last = metrics
     finally:
         reporter.close()

@@ -176,14 +176,14 @@ def test_descriptions_come_from_the_reference():
     assert LoraConfig.model_fields["lora_dim"].description.startswith("The rank value of the LoRA")
     assert ModelConfig.model_fields["free_memory"].description.startswith("overall switch")
     schema = ChatLearnConfig.model_json_schema()
-    assert set(schema["properties"]) == {"runtime_env", "runtime", "models"}
+    assert set(schema["properties"]) == {"runtime_env", "runtime", "models", "deployment"}
     assert json.dumps(schema)  # serializable, so it can become a Prefect UI form
 
 
 def test_dump_has_every_field_with_defaults():
     cfg = ChatLearnConfig.model_validate({"models": {"policy": {"num_gpu": 1}}})
     dumped = cfg.model_dump(mode="json")
-    assert set(dumped) == {"runtime_env", "runtime", "models"}
+    assert set(dumped) == {"runtime_env", "runtime", "models", "deployment"}
     assert set(dumped["runtime_env"]) == set(REFERENCE[RuntimeEnvConfig])
     assert set(dumped["runtime"]) == set(ALL_FIELDS[RuntimeConfig])
     assert set(dumped["models"]["policy"]) == set(REFERENCE[ModelConfig])

@@ -98,14 +98,13 @@ def test_a_knob_that_a_module_cannot_honour_is_refused_by_the_checks_only(capsys
 
 def test_a_knob_that_only_tunes_speed_warns_once_and_runs():
     # in its own process: Python shows a warning once per place, so only a fresh process proves "once"
-    res = run("config", "--check", "runtime.nsys=true", "runtime.profiler_dir=prof",
+    res = run("config", "--check", "models.policy.batch_generation.min_prompt_length=4",
               "runtime.colocation=[]", "models.value.free_memory=true")
     assert res.returncode == 0, res.stderr
     warnings = [line for line in res.stderr.splitlines() if line.startswith("chatlearn: warning:")]
     assert warnings == [
-        "chatlearn: warning: runtime.nsys=True has no effect here: NVTX ranges for nsys: not implemented yet",
-        "chatlearn: warning: runtime.profiler_dir='prof' has no effect here: torch profiler traces: not implemented "
-        "yet",
+        "chatlearn: warning: models.policy.batch_generation.min_prompt_length=4 has no effect here: Megatron's first "
+        "generation stage; Hugging Face generate has none",
         "chatlearn: warning: models.value.free_memory=True has no effect here: value is not in a colocation group "
         "(ChatLearn offloads only colocated models)",
     ]
@@ -153,3 +152,26 @@ def test_train_refuses_a_cluster_too_small_before_any_actor(tmp_path):
     assert "chatlearn: placement: the config needs more than the cluster has:" in res.stderr
     assert "  GPUs: 6 required, 2 available (1 node(s): 2 GPUs); per model: colocation group" in res.stderr
     assert not (tmp_path / "default" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "config", "plan", "deploy", "serve", "server"])
+def test_every_command_documents_its_options_and_an_example(command, capsys):
+    from chatlearn.cli import _parser
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert f"example:\n  chatlearn {command}" in text
+    sub = _parser()._subparsers._group_actions[0].choices[command]
+    for action in sub._actions:
+        for flag in action.option_strings:
+            assert flag in text
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{command} {action.option_strings} has no help"
+
+
+def test_deploy_flags_are_validated_as_the_config_deployment_section(capsys):
+    code, _, err = run_here(capsys, "deploy", "--cron", "61 * * * *", "--on-overlap", "queue", "--name", "x")
+    assert code == 2
+    assert "deployment.cron: Invalid cron string" in err

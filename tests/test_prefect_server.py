@@ -1,16 +1,18 @@
-"""The local Prefect server that `chatlearn train` starts: shared by overlapping runs, stopped by the last."""
+"""The local Prefect server that `chatlearn train` starts: shared by overlapping runs, stopped by the last;
+kept up by `chatlearn server`; used by direct Python calls too; and telling its UI where the API is."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
 from chatlearn.runtime.prefect_server import _alive, healthy
-
-pytestmark = pytest.mark.integration
+from tests.conftest import REPO
 
 HOLD = """
 import sys, time
@@ -48,6 +50,7 @@ def stopped(pid, timeout=5.0):
     return not _alive(pid)
 
 
+@pytest.mark.integration
 def test_overlapping_runs_share_one_server_and_the_last_stops_it(tmp_path):
     home = tmp_path / "home"
     a = start_holder(home, tmp_path / "release-a", tmp_path, "a")
@@ -71,6 +74,7 @@ def test_overlapping_runs_share_one_server_and_the_last_stops_it(tmp_path):
     assert not healthy(url_b)
 
 
+@pytest.mark.integration
 def test_a_server_left_by_a_killed_run_is_adopted(tmp_path):
     home = tmp_path / "home"
     a = start_holder(home, tmp_path / "never", tmp_path, "a")
@@ -84,3 +88,131 @@ def test_a_server_left_by_a_killed_run_is_adopted(tmp_path):
     (tmp_path / "release-b").touch()
     assert b.wait(60) == 0
     assert stopped(server_pid)
+
+
+@pytest.mark.integration
+def test_the_ui_is_told_the_served_api_not_the_default_port(tmp_path):
+    """Unset, the server's /ui-settings says port 4200 and the UI shows "Can't connect to Server API"."""
+    home = tmp_path / "home"
+    a = start_holder(home, tmp_path / "release", tmp_path, "a")
+    url = wait_for_url(tmp_path / "a.log")
+    try:
+        assert not url.endswith(":4200/api")
+        with urllib.request.urlopen(url.removesuffix("/api") + "/ui-settings", timeout=10) as resp:
+            assert json.loads(resp.read())["api_url"] == url
+    finally:
+        (tmp_path / "release").touch()
+        assert a.wait(60) == 0
+
+
+SERVE = "from chatlearn.runtime.prefect_server import serve_forever; serve_forever()"
+
+
+@pytest.mark.integration
+def test_serve_forever_keeps_the_server_for_runs_and_stops_it_on_sigterm(tmp_path):
+    home = tmp_path / "home"
+    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.pop("PREFECT_API_URL", None)
+    log = tmp_path / "serve.log"
+    serve = subprocess.Popen([sys.executable, "-c", SERVE], env=env, stdout=open(log, "w"),
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while "export PREFECT_API_URL=" not in log.read_text():
+            assert serve.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        url = text.split("export PREFECT_API_URL=")[1].split()[0]
+        assert f"Prefect UI (started local server): {url.removesuffix('/api')}" in text
+        assert healthy(url)
+        server_pid = json.loads((home / "server.json").read_text())["pid"]
+
+        # a run joins the served server and leaves it up when it ends
+        b = start_holder(home, tmp_path / "release-b", tmp_path, "b")
+        assert wait_for_url(tmp_path / "b.log") == url
+        (tmp_path / "release-b").touch()
+        assert b.wait(60) == 0
+        assert healthy(url) and _alive(server_pid)
+
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0
+        assert stopped(server_pid)
+        assert not healthy(url)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+DIRECT = """
+import sys
+from chatlearn.config import load_config
+from flows import train_flow
+result = train_flow(load_config("configs/dpo.yaml", sys.argv[1:]))
+print("RESULT", sorted(result), flush=True)
+"""
+
+
+@pytest.mark.integration
+def test_a_python_train_flow_call_uses_the_shared_local_server(tmp_path, tiny_model_dir):
+    """`train_flow(cfg)` with no API configured: not Prefect's ephemeral API (gone when the call returns), but
+    the local server `chatlearn train` uses, announced on stderr; the run stays in its database."""
+    home = tmp_path / "home"
+    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               CHATLEARN_TINY_MODEL_DIR=tiny_model_dir, CHATLEARN_OUTPUT_DIR=str(tmp_path / "out"))
+    for name in ("PREFECT_API_URL", "RAY_ADDRESS"):
+        env.pop(name, None)
+    args = ["runtime.num_episode=1", "runtime.sample_per_episode=16", "runtime.generation_batch_size=16",
+            "runtime.train_micro_batch_size=16", "runtime.train_global_batch_size=16",
+            "runtime.eval_episode_interval=0", "runtime.enable_eval_before_training=false", "runtime.exp_name=direct"]
+    res = subprocess.run([sys.executable, "-c", DIRECT, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "RESULT" in res.stdout
+    assert "Prefect UI (started local server): http://127.0.0.1:" in res.stderr
+    assert not (home / "server.json").exists() or not json.loads((home / "server.json").read_text())
+    assert (home / "prefect.db").is_file()  # the history lives in CHATLEARN_PREFECT_HOME
+
+    # the same home again (a later run, `chatlearn server`): the finished run is in the UI's database
+    flow_run_id = json.loads((tmp_path / "out" / "direct" / ".flow_run.json").read_text())["flow_run_id"]
+    holder = start_holder(home, tmp_path / "release", tmp_path, "holder")
+    try:
+        url = wait_for_url(tmp_path / "holder.log")
+        body = json.dumps({"flows": {"name": {"any_": ["chatlearn-train"]}}}).encode()
+        req = urllib.request.Request(url + "/flow_runs/filter", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            runs = json.loads(resp.read())
+        assert [(r["id"], r["state_type"]) for r in runs] == [(flow_run_id, "COMPLETED")]
+    finally:
+        (tmp_path / "release").touch()
+        assert holder.wait(60) == 0
+
+
+def test_a_configured_api_is_used_as_is_and_nesting_is_harmless(tmp_path, monkeypatch):
+    """"Configured" is Prefect's effective setting (here temporary_settings, as the pytest harness does), and
+    an API set in the environment after Prefect read it is made visible to Prefect's clients."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from chatlearn.runtime.prefect_server import configured_api_url, local_prefect_api
+
+    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(tmp_path))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings({PREFECT_API_URL: "http://elsewhere:1/api"}):
+        assert configured_api_url() == "http://elsewhere:1/api"
+        with local_prefect_api(announce=pytest.fail) as url, local_prefect_api(announce=pytest.fail) as inner:
+            assert url == inner == "http://elsewhere:1/api"
+    monkeypatch.setenv("PREFECT_API_URL", "http://late:2/api")
+    with local_prefect_api(announce=pytest.fail) as url:
+        assert url == PREFECT_API_URL.value() == "http://late:2/api"
+    assert not (tmp_path / "server.json").exists()  # no local server was started
+
+
+def test_inside_a_flow_run_a_direct_call_changes_nothing(monkeypatch):
+    from flows.prevalidated import _api_for_direct_call, in_flow_run
+
+    monkeypatch.delenv("PREFECT__FLOW_RUN_ID", raising=False)
+    assert not in_flow_run()
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "00000000-0000-0000-0000-000000000001")  # a worker's run
+    assert in_flow_run()
+    with _api_for_direct_call() as url:
+        assert url is None

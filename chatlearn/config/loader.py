@@ -220,7 +220,10 @@ def _merge_model_config_files(
             continue
         path = os.path.expanduser(file_name)
         if not os.path.isabs(path):
-            path = os.path.join(base_dir, path)
+            # a dict without a directory of its own (a resolved dump: a deployment's run form) looks next to the
+            # config it was resolved from, which the model's config_dir names
+            own = model.get("config_dir") if config_dir is None else None
+            path = os.path.join(own or base_dir, path)
         if not os.path.isfile(path):
             problems.append(f"models.{name}.model_config_file: file not found: {path}")
             continue

@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
 
 from chatlearn.config.checks import check_sections
+from chatlearn.config.deployment import DeploymentConfig
 from chatlearn.config.errors import ConfigError, ConfigWarning, problems_from_validation_error
 from chatlearn.config.model import ModelConfig
 from chatlearn.config.runtime import RuntimeConfig, RuntimeEnvConfig
@@ -56,6 +57,10 @@ class ChatLearnConfig(BaseModel):
     )
     models: dict[str, ModelConfig] = Field(
         default_factory=dict, description="the models of the job, by name, in the order they were given"
+    )
+    deployment: DeploymentConfig = Field(
+        default_factory=DeploymentConfig,
+        description="how `chatlearn deploy`/`serve` register this config with Prefect (name, cron, overlap)",
     )
     _checks_passed: set[str] = PrivateAttr(default_factory=set)
     _validated: bool = PrivateAttr(default=False)  # its own checks passed (Prefect validates parameters again)
@@ -173,6 +178,7 @@ def validate_config(
 
     runtime_env, _ = section(RuntimeEnvConfig, data.get("runtime_env"), "runtime_env")
     runtime, rt_dropped = section(RuntimeConfig, data.get("runtime"), "runtime")
+    deployment, _ = section(DeploymentConfig, data.get("deployment"), "deployment")
     models_raw = data.get("models") or {}
     models: dict[str, ModelConfig] = {}
     models_dropped: dict[str, set[str]] = {}
@@ -197,7 +203,8 @@ def validate_config(
     ctx = dict(context) if isinstance(context, Mapping) else {}
     ctx[_CHECKED] = True
     cfg = ChatLearnConfig._from_parsed(
-        {"runtime_env": runtime_env, "runtime": runtime, "models": models}, context=ctx, **kwargs
+        {"runtime_env": runtime_env, "runtime": runtime, "models": models, "deployment": deployment},
+        context=ctx, **kwargs,
     )
     cfg._checks_passed.update(c.key(cfg) for c in checks)
     return cfg
@@ -267,7 +274,7 @@ def _normalize_top_level(data: Mapping[str, Any], problems: list[str] | None) ->
     for key in list(data):
         if key not in ChatLearnConfig.model_fields:
             warnings.warn(
-                f"{key}: unknown top-level key ignored (known: runtime_env, runtime, models)",
+                f"{key}: unknown top-level key ignored (known: runtime_env, runtime, models, deployment)",
                 ConfigWarning,
                 stacklevel=5,
             )

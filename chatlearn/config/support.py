@@ -23,6 +23,7 @@ from typing import Any, Literal, NamedTuple
 import yaml
 from pydantic import BaseModel
 
+from chatlearn.config.deployment import DeploymentConfig
 from chatlearn.config.errors import ConfigWarning
 from chatlearn.config.model import BatchGenerationConfig, LoraConfig, ModelConfig
 from chatlearn.config.root import ChatLearnConfig
@@ -54,6 +55,7 @@ _CLASSES: dict[str, type[BaseModel]] = {
     "models.X": ModelConfig,
     "models.X.lora": LoraConfig,
     "models.X.batch_generation": BatchGenerationConfig,
+    "deployment": DeploymentConfig,
 }
 
 
@@ -68,7 +70,8 @@ def _given(section: BaseModel, cls: type[BaseModel], statuses: dict[str, Support
 
 def _sections(cfg: ChatLearnConfig, models: Iterable[str]) -> list[tuple[str, str, BaseModel]]:
     out: list[tuple[str, str, BaseModel]] = [("runtime_env", "runtime_env", cfg.runtime_env),
-                                              ("runtime", "runtime", cfg.runtime)]
+                                              ("runtime", "runtime", cfg.runtime),
+                                              ("deployment", "deployment", cfg.deployment)]
     for name in models:
         m = cfg.models[name]
         out += [(f"models.{name}", "models.X", m), (f"models.{name}.lora", "models.X.lora", m.lora),

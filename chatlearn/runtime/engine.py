@@ -42,7 +42,11 @@ class Engine:
 
     def learn(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
         """Train with `config` (a config object, a YAML path or dict, or the one given to `chatlearn.init`);
-        returns the last episode's metrics."""
+        returns the last episode's metrics.
+
+        With no Prefect API configured the run goes to the shared local server `chatlearn train` uses (its UI
+        address is printed on stderr), through the flow's own call (`flows.prevalidated`), never to Prefect's
+        ephemeral API, which would vanish with the call and breaks under Ray."""
         from flows.train_flow import train_flow  # the documented upward call (see the module docstring)
 
         cfg = self._config(config, overrides)
@@ -108,7 +112,7 @@ class EvalEngine(Engine):
         return self.eval(config, overrides)
 
     def eval(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
-        """Score the eval set once; returns the eval metrics."""
+        """Score the eval set once; returns the eval metrics (Prefect API: as `learn`)."""
         from flows.eval_flow import eval_flow  # the documented upward call (see the module docstring)
 
         cfg = self._config(config, overrides)

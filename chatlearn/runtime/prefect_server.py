@@ -6,6 +6,11 @@ it at the end. Runs that overlap share one server: a state file under a file loc
 the live runs using it; the last run out stops it, and a server left behind by a killed run is adopted
 (its users are dead) rather than fought over. The database lives in `CHATLEARN_PREFECT_HOME`
 (default `~/.chatlearn/prefect`), so the UI keeps the history of earlier runs.
+
+Direct Python calls (`train_flow(cfg)`, `engine.learn()`) use the same server (`flows.prevalidated`), and
+`chatlearn server` keeps it up between runs (`serve_forever`): it is one more user, so runs join it and
+never stop it. "An API is configured" means Prefect's effective `PREFECT_API_URL` (environment, profile,
+`temporary_settings`, the pytest harness), so a configured server or Prefect Cloud is always used as is.
 """
 
 import contextlib
@@ -16,10 +21,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
@@ -81,7 +88,10 @@ def _start_server(timeout: float) -> tuple[int, str]:
     home = prefect_home()
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    # The UI asks `GET /ui-settings` where the API is; unset, the server answers Prefect's default port 4200
+    # whatever `--port` says, and the page shows "Can't connect to Server API". Both names: old and new.
+    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_UI_API_URL=url, PREFECT_UI_API_URL=url)
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "ab")
     proc = subprocess.Popen(
@@ -117,13 +127,20 @@ def _drain_prefect_workers() -> None:
             worker.drain_all(timeout=10)
 
 
-@contextlib.contextmanager
-def local_prefect_api(timeout: float = 90.0, announce=print) -> Iterator[str]:
-    """Yield a Prefect API URL: `PREFECT_API_URL` if set, else a shared local server (started if needed)."""
-    existing = os.environ.get("PREFECT_API_URL")
-    if existing:
-        yield existing
-        return
+def configured_api_url() -> str | None:
+    """The Prefect API this process would talk to, or None (Prefect would fall back to ephemeral mode).
+
+    Prefect's effective setting covers profiles, `temporary_settings` and the pytest harness; the
+    environment is read too because Prefect reads it once at import, and a launcher may set it later.
+    """
+    return os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value() or None
+
+
+def _join_local_server(timeout: float) -> tuple[str, str]:
+    """Register this process as a user of the shared local server, starting it if none is healthy.
+
+    Returns (api url, "started" | "reusing").
+    """
     me = os.getpid()
     with _locked_state() as state:
         users = [p for p in state.get("users", []) if _alive(p) and p != me]
@@ -135,7 +152,35 @@ def local_prefect_api(timeout: float = 90.0, announce=print) -> Iterator[str]:
         else:
             started = "reusing"
         state["users"] = users + [me]
-        url = state["url"]
+        return state["url"], started
+
+
+def _leave_local_server() -> None:
+    """Unregister this process; the last live user stops the server (dead users do not count)."""
+    me = os.getpid()
+    with _locked_state() as state:
+        users = [p for p in state.get("users", []) if _alive(p) and p != me]
+        state["users"] = users
+        if not users and state.get("pid"):
+            _stop(state["pid"])
+            state.clear()
+
+
+@contextlib.contextmanager
+def local_prefect_api(timeout: float = 90.0, announce: Callable[[str], Any] = print) -> Iterator[str]:
+    """Yield a Prefect API URL: the configured one if any, else a shared local server (started if needed).
+
+    Nesting is harmless: an inner call sees the URL the outer one set and just yields it.
+    """
+    existing = configured_api_url()
+    if existing:
+        if PREFECT_API_URL.value() == existing:
+            yield existing
+        else:  # set in the environment after Prefect read it: make Prefect's clients see it too
+            with temporary_settings({PREFECT_API_URL: existing}):
+                yield existing
+        return
+    url, started = _join_local_server(timeout)
     announce(f"Prefect UI ({started} local server): {url.removesuffix('/api')}")
     os.environ["PREFECT_API_URL"] = url
     try:
@@ -144,9 +189,41 @@ def local_prefect_api(timeout: float = 90.0, announce=print) -> Iterator[str]:
     finally:
         _drain_prefect_workers()
         os.environ.pop("PREFECT_API_URL", None)
+        _leave_local_server()
+
+
+def serve_forever(announce: Callable[[str], Any] = print, timeout: float = 90.0) -> None:
+    """Keep the shared local server up until SIGINT/SIGTERM (`chatlearn server`).
+
+    Starts or joins the server as `local_prefect_api` does, but always the local one (an API set in this
+    shell is only mentioned): the point is a UI that outlives runs, and a URL to export for `prefect`
+    commands and workers. This process counts as a user, so runs join the server and leave it up; on a
+    signal it leaves like a run does, stopping the server if no run uses it. Raises RuntimeError if the
+    server process dies meanwhile (see `CHATLEARN_PREFECT_HOME/server.log`).
+    """
+    other = configured_api_url()
+    stop = threading.Event()  # handlers first: a signal while the server starts still leaves cleanly
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        url, started = _join_local_server(timeout)
+    except BaseException:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise
+    try:
         with _locked_state() as state:
-            users = [p for p in state.get("users", []) if _alive(p) and p != me]
-            state["users"] = users
-            if not users and state.get("pid"):
-                _stop(state["pid"])
-                state.clear()
+            server_pid = state.get("pid")
+        announce(f"Prefect UI ({started} local server): {url.removesuffix('/api')}")
+        if other and other != url:
+            announce(f"note: PREFECT_API_URL is set to {other} here; runs started with it use that API")
+        announce(f"export PREFECT_API_URL={url}")
+        announce("serving until Ctrl-C (runs started meanwhile use this server and leave it up)")
+        sys.stdout.flush()  # `print` into a pipe or file would hold the lines back until we exit
+        while not stop.wait(1.0):
+            if not _alive(server_pid):
+                raise RuntimeError(f"the Prefect server (pid {server_pid}) exited; "
+                                   f"see {prefect_home() / 'server.log'}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _leave_local_server()

@@ -1,12 +1,20 @@
-"""Where per-episode metrics go: a progress bar, a metrics line, `metrics.jsonl`, and artifact tables."""
+"""Where per-episode metrics go: a progress bar, a metrics line, `metrics.jsonl`, a curve `curves.png`, and
+Prefect artifacts (one metrics table and one curve per run, updated in place each episode)."""
 
+import base64
+import io
 import json
+import math
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 from tqdm import tqdm
 
 from chatlearn.config import ChatLearnConfig
@@ -75,7 +83,120 @@ class EpisodeReporter:
             self.bar.write(f"    eval: {ex['prompt']!r} -> {ex['response']!r} (score {_fmt(ex['score'])})")
 
     def table(self) -> list[dict[str, Any]]:
-        return [{"episode": r["episode"], **{k: r.get(k) for k in LINE_KEYS}} for r in self.rows]
+        return table_rows(self.rows)
 
     def close(self) -> None:
         self.bar.close()
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics table: one row per episode, the metrics line's columns (absent ones are None)."""
+    return [{"episode": r["episode"], **{k: r.get(k) for k in LINE_KEYS}} for r in rows]
+
+
+# Figure size in inches and dots per inch of `curves.png`: 480 x 280 pixels, small enough (tens of kB) to
+# travel inside a markdown artifact as a data URI.
+CURVE_SIZE = (6.0, 3.5)
+CURVE_DPI = 80
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(episode numbers counted from 1, values) of the rows that have a finite `key`."""
+    points = [(r["episode"] + 1, float(r[key])) for r in rows
+              if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def curves_png(rows: list[dict[str, Any]]) -> bytes:
+    """A PNG of reward_mean, eval_reward_mean (the episodes eval ran, the eval before training at episode 0)
+    and kl_mean (right axis: its scale is far below the reward's) per episode, from the metrics rows.
+
+    Matplotlib's object API on the Agg canvas: no display, no pyplot global state, so it is safe in a flow
+    process that has other threads."""
+    # lazy: matplotlib (~0.5 s to import) loads only when a run draws its first curve
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=CURVE_SIZE, dpi=CURVE_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    handles = []
+    x, y = _series(rows, "reward_mean")
+    handles += ax.plot(x, y, color="tab:blue", marker="." if len(x) < 30 else None, label="reward_mean")
+    ex, ey = _series(rows, "eval_reward_mean")
+    _, by = _series(rows, "eval_reward_mean_before_training")
+    if by:  # the baseline the eval curve starts from, before episode 1
+        ex, ey = [0, *ex], [by[0], *ey]
+    if ex:
+        handles += ax.plot(ex, ey, color="tab:green", marker="o", label="eval_reward_mean")
+    ax.set_xlabel("episode")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("reward")
+    kx, ky = _series(rows, "kl_mean")
+    if kx:
+        kl_ax = ax.twinx()
+        handles += kl_ax.plot(kx, ky, color="tab:red", linestyle="--", label="kl_mean")
+        kl_ax.set_ylabel("KL")
+    if handles:
+        ax.legend(handles=handles, loc="best", fontsize="small")
+    ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def write_curves(rows: list[dict[str, Any]], path: Path) -> bytes:
+    """Write `curves_png(rows)` to ``path`` (through a temporary file, so a reader never sees half a PNG);
+    returns the PNG's bytes."""
+    png = curves_png(rows)
+    tmp = path.with_suffix(".png.tmp")
+    tmp.write_bytes(png)
+    os.replace(tmp, path)
+    return png
+
+
+def _json_safe(item: Any) -> Any:
+    """NaN and infinities become None, as Prefect's table artifact does for NaN: the data is stored as JSON."""
+    if isinstance(item, list):
+        return [_json_safe(v) for v in item]
+    if isinstance(item, dict):
+        return {k: _json_safe(v) for k, v in item.items()}
+    if isinstance(item, float) and not math.isfinite(item):
+        return None
+    return item
+
+
+class RunArtifacts:
+    """The run's metrics table and curve as Prefect artifacts: created once, at the first update, inside the
+    train flow run (so they belong to it), then updated in place, so the UI shows one artifact of each per
+    run instead of a new version per episode."""
+
+    def __init__(self, exp_name: str, run_dir: Path):
+        self.exp_name = exp_name
+        self.curves_path = run_dir / "curves.png"
+        self.ids: dict[str, UUID] = {}
+
+    def update(self, rows: list[dict[str, Any]]) -> None:
+        """Show ``rows`` (every episode so far): rewrite `curves.png` and refresh both artifacts."""
+        table = _json_safe(table_rows(rows))
+        png = write_curves(rows, self.curves_path)
+        episodes = f"{len(rows)} episode{'s' if len(rows) != 1 else ''}"
+        markdown = (f"![curves](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
+                    f"reward_mean, eval_reward_mean and kl_mean per episode of **{self.exp_name}** "
+                    f"({episodes}; also `{self.curves_path}`)")
+        table_about = f"per-episode metrics of {self.exp_name} ({episodes})"
+        curve_about = f"reward / KL / eval curve of {self.exp_name}"
+        if not self.ids:
+            self.ids["metrics"] = create_table_artifact(key=artifact_key(self.exp_name, "metrics"), table=table,
+                                                        description=table_about)
+            self.ids["curves"] = create_markdown_artifact(key=artifact_key(self.exp_name, "curves"),
+                                                          markdown=markdown, description=curve_about)
+            return
+        self._update("metrics", json.dumps(table), table_about)
+        self._update("curves", markdown, curve_about)
+
+    def _update(self, what: str, data: str, description: str) -> None:
+        # a table's data is its rows as a JSON string, a markdown artifact's the markdown (as Prefect creates them)
+        with get_client(sync_client=True) as client:
+            client.update_artifact(self.ids[what], ArtifactUpdate(data=data, description=description))

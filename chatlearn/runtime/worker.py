@@ -26,6 +26,7 @@ from chatlearn.models.memory import PARTS, MemoryManager
 from chatlearn.models.parallel import ParallelContext, ParallelDims
 from chatlearn.runtime.actor import ModelActor
 from chatlearn.runtime.param_sync import SyncGroup, transfer
+from chatlearn.runtime.profiling import StageMarks
 from chatlearn.utils.devices import fake_gpus
 
 # What each call needs resident; anything else needs only the weights. Grads are made by backward.
@@ -66,6 +67,7 @@ class Worker:
         self.world_rank = 0
         self.sync_groups: dict[str, SyncGroup] = {}
         self.sync_staging: dict[str, dict] = {}  # per route: its bucket buffers, kept from sync to sync
+        self.marks = StageMarks(runtime_args.nsys, self.ranks)  # NVTX ranges and the torch profiler
 
     # -- torch.distributed ----------------------------------------------------------------------------------
     def free_port(self) -> tuple[str, int]:
@@ -123,7 +125,8 @@ class Worker:
         if method not in _NO_HANDOVER:
             self._hand_over([name], _NEEDS.get(method, ("weights",)))
         try:
-            return getattr(self.slots[name], method)(*args, **kwargs)
+            with self.marks.stage(name, method, kwargs):
+                return getattr(self.slots[name], method)(*args, **kwargs)
         except (RuntimeError, dist.DistError) as exc:
             ctx = self.slots[name].module.parallel
             if ctx is None or not _collective_failure(exc):
@@ -167,16 +170,18 @@ class Worker:
         group = self.sync_groups.get(route["key"]) if process in route["members"] else None
         if process in route["members"] and group is None:
             raise RuntimeError(f"param sync {route['key']}: {process} is not in its sync group (not joined)")
-        return transfer(specs, group=group,
-                        sources=self.slots[src].module.sync_sources() if hosts_src else None,
-                        targets=self.slots[dst].module.sync_targets() if hosts_dst else None,
-                        comm=route["comm"], coalesce=route["coalesce"], max_bytes=route["bucket_bytes"],
-                        debug=route["debug"], staging=self.sync_staging.setdefault(route["key"], {}))
+        with self.marks.stage(f"{src}->{dst}", "sync_weights"):
+            return transfer(specs, group=group,
+                            sources=self.slots[src].module.sync_sources() if hosts_src else None,
+                            targets=self.slots[dst].module.sync_targets() if hosts_dst else None,
+                            comm=route["comm"], coalesce=route["coalesce"], max_bytes=route["bucket_bytes"],
+                            debug=route["debug"], staging=self.sync_staging.setdefault(route["key"], {}))
 
     def copy_local(self, dst: str, src: str) -> bool:
         """Parameter sync between two models of this process: a plain copy, no serialization."""
         self._hand_over([src, dst], ("weights",))
-        self.slots[dst].module.set_weights(self.slots[src].module.get_weights())
+        with self.marks.stage(f"{src}->{dst}", "copy_local"):
+            self.slots[dst].module.set_weights(self.slots[src].module.get_weights())
         return True
 
     def _hand_over(self, names: list[str], needs: tuple[str, ...]) -> None:
@@ -192,6 +197,15 @@ class Worker:
                 mm.onload(needs)
 
     # -- process-wide ---------------------------------------------------------------------------------------
+    def begin_episode(self, episode: int, profiler_dir: str | None = None) -> dict[str, Any]:
+        """Name `episode` in this process's NVTX ranges; with ``profiler_dir``, profile it (``runtime.nsys``,
+        ``runtime.profiler_dir``: see ``chatlearn.runtime.profiling``)."""
+        return self.marks.begin(episode, profiler_dir)
+
+    def end_episode(self) -> list[str]:
+        """Stop this process's profiler, if running; returns the trace files it wrote."""
+        return self.marks.end()
+
     def ping(self) -> bool:
         return True
 

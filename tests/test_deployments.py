@@ -1,0 +1,247 @@
+"""Integration: the Prefect way of running chatlearn, against a real `prefect server` (started by `chatlearn
+server`), a real process worker and headless Chromium.
+
+One module-scoped server and worker; one train run through a deployment (the one that proves the form, the
+overlap rule, the artifacts, the completion trigger and the browser pages), one through `chatlearn serve`.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from html import unescape
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+TINY = """includes: [{repo}/configs/default.yaml]
+runtime:
+  num_episode: 1
+  sample_per_episode: 32
+  generation_batch_size: 16
+  train_micro_batch_size: 8
+  train_global_batch_size: 16
+  enable_eval_before_training: false
+  output_dir: out
+  exp_name: tiny
+"""
+BROWSER_OUT = Path(REPO) / "output" / "browser-tests"
+
+
+def _wait_for_line(proc_log: Path, prefix: str, timeout: float = 120.0) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for line in proc_log.read_text().splitlines():
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        time.sleep(0.2)
+    raise AssertionError(f"no line starting {prefix!r} in {proc_log}:\n{proc_log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir):
+    """`chatlearn server` on a fresh database, a process work pool and its worker; env for commands."""
+    home = Path(tempfile.mkdtemp(prefix="chatlearn-deploy-"))
+    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(home / "server"), PREFECT_HOME=str(home / "cli"),
+               CHATLEARN_TINY_MODEL_DIR=tiny_model_dir, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    for key in ("PREFECT_API_URL", "RAY_ADDRESS"):
+        env.pop(key, None)
+    server_log = home / "server.out"
+    server = subprocess.Popen([sys.executable, "-m", "chatlearn.cli", "server"], env=env, cwd=home,
+                              stdout=open(server_log, "w"), stderr=subprocess.STDOUT, text=True)
+    worker = None
+    try:
+        url = _wait_for_line(server_log, "export PREFECT_API_URL=")
+        ui = _wait_for_line(server_log, "Prefect UI (started local server):")  # the address a user opens
+        assert url == f"{ui}/api"
+        env["PREFECT_API_URL"] = url
+        subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", "chatlearn", "--type", "process",
+                        "--overwrite"], env=env, check=True, capture_output=True, timeout=120)
+        worker_log = home / "worker.out"
+        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "chatlearn"],
+                                  env=env, cwd=home, stdout=open(worker_log, "w"), stderr=subprocess.STDOUT)
+        yield {"url": url, "ui": ui, "env": env, "home": home, "worker_log": worker_log,
+               "server_log": server_log}
+    finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(timeout=60)
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+        state = home / "server" / "server.json"
+        assert not state.exists() or not json.loads(state.read_text()), "chatlearn server left its server running"
+
+
+def _client(stack):
+    from prefect.client.orchestration import SyncPrefectClient
+
+    return SyncPrefectClient(stack["url"])
+
+
+def _wait_final(stack, run_id, timeout: float = 420.0):
+    deadline = time.time() + timeout
+    with _client(stack) as client:
+        while time.time() < deadline:
+            run = client.read_flow_run(run_id)
+            if run.state and run.state.type.value in FINAL:
+                return run
+            time.sleep(1.0)
+    raise AssertionError(f"flow run {run_id} not finished in {timeout:.0f}s; worker log tail:\n"
+                         + stack["worker_log"].read_text()[-4000:])
+
+
+def _cli(stack, *args, cwd=REPO, timeout=300):
+    res = subprocess.run([sys.executable, "-m", "chatlearn.cli", *args], env=stack["env"], cwd=cwd,
+                         capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+def chromium(url: str, png: Path) -> tuple[str, str]:
+    """Open `url` in headless Chromium: a screenshot into `png`; the rendered page's text and its DOM."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert exe, "Debian's chromium is needed for the browser tests (`.ci/run` installs it: apt-get install chromium)"
+    flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--window-size=1400,1800", "--virtual-time-budget=25000"]
+    png.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as profile:
+        subprocess.run([*flags, f"--user-data-dir={profile}", f"--screenshot={png}", url], capture_output=True,
+                       timeout=120)
+    with tempfile.TemporaryDirectory() as profile:
+        dom = subprocess.run([*flags, f"--user-data-dir={profile}", "--dump-dom", url], capture_output=True,
+                             text=True, timeout=120).stdout
+    assert png.exists() and png.stat().st_size > 10_000, f"no screenshot of {url}"
+    return unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))), dom
+
+
+def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+    )
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    # 1. prefect.yaml deploys as the README says (from the repository root)
+    res = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                          "deployments/prefect.yaml"], env=stack["env"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with _client(stack) as client:
+        yaml_train = client.read_deployment_by_name("chatlearn-train/default")
+        yaml_eval = client.read_deployment_by_name("chatlearn-eval/eval-on-train-completion")
+        assert yaml_train.parameters == {"config_path": "configs/default.yaml", "overrides": []}
+        assert yaml_train.enforce_parameter_schema and yaml_train.work_pool_name == "chatlearn"
+        assert [a.name for a in client.read_resource_related_automations(f"prefect.deployment.{yaml_eval.id}")]
+
+    # 2. `chatlearn deploy`: the config is the form, with its schedule and an eval triggered on completion
+    (tmp_path / "tiny.yaml").write_text(TINY.format(repo=REPO))
+    out = _cli(stack, "deploy", "tiny.yaml", "--cron", "0 3 * * *", "--name", "tiny", "--evaluate",
+               cwd=tmp_path).stdout
+    assert f"deployed chatlearn-train/tiny: {stack['ui']}/deployments/deployment/" in out
+    with _client(stack) as client:
+        dep = client.read_deployment_by_name("chatlearn-train/tiny")
+        eval_dep = client.read_deployment_by_name("chatlearn-eval/tiny-eval")
+        assert [s.schedule.cron for s in dep.schedules] == ["0 3 * * *"]
+        form = dep.parameters["config"]
+        assert form["runtime"]["output_dir"] == str(tmp_path / "out" / "tiny")  # written where the config says
+        schema = dep.parameter_openapi_schema
+        num_episode = schema["definitions"]["RuntimeConfig"]["properties"]["num_episode"]
+        assert num_episode["description"].startswith("[required] number of episodes")
+
+        # 3. the server refuses a bad value before any run exists, naming our field path
+        bad = json.loads(json.dumps(form))
+        bad["runtime"]["num_episode"] = "three"
+        with pytest.raises(PrefectHTTPStatusError) as refused:
+            client.create_flow_run_from_deployment(dep.id, parameters={"config": bad})
+        assert "config.runtime.num_episode" in str(refused.value)
+
+        # 4. a run from the form (one field changed) and, at once, a second: the overlap rule skips it
+        form["runtime"]["exp_name"] = "from-form"
+        first = client.create_flow_run_from_deployment(dep.id, parameters={"config": form})
+        second = client.create_flow_run_from_deployment(dep.id, parameters={"config": form})
+    runs = [_wait_final(stack, first.id), _wait_final(stack, second.id)]
+    states = sorted(r.state.type.value for r in runs)
+    assert states == ["CANCELLED", "COMPLETED"], [(r.state.type.value, r.state.message) for r in runs]
+    done = next(r for r in runs if r.state.type.value == "COMPLETED")
+    run_dir = tmp_path / "out" / "tiny" / "from-form"  # output_dir/exp_name, as the config's run_dir says
+    assert (run_dir / "final" / "policy" / "config.json").exists()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+
+    with _client(stack) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[done.id])))
+        keys = {a.key for a in arts}
+        assert {"from-form-outputs", "from-form-metrics", "from-form-progress", "from-form-curves"} <= keys, keys
+
+    # 5. the completion trigger started the eval deployment on that run: its final policy, into its run dir
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        with _client(stack) as client:
+            evals = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(
+                any_=[eval_dep.id, yaml_eval.id])), flow_run_filter=FlowRunFilter())
+        if evals:
+            break
+        time.sleep(1.0)
+    assert len(evals) == 1 and evals[0].deployment_id == eval_dep.id, evals  # prefect.yaml's: not for this one
+    assert evals[0].parameters["train_run"] == f"prefect.flow-run.{done.id}"
+    assert _wait_final(stack, evals[0].id).state.type.value == "COMPLETED"
+    evaluated = json.loads((run_dir / "eval" / "eval.json").read_text())
+    assert evaluated["model_path"] == str(run_dir / "final" / "policy")
+    assert "eval_reward_mean" in evaluated
+
+    # 6. what a user sees: the run form with the config's fields; the finished run's metrics table and curve
+    form_text, _ = chromium(f"{stack['ui']}/deployments/deployment/{dep.id}/run", BROWSER_OUT / "run-form.png")
+    assert "Can't connect" not in form_text
+    for field in ("Num Episode", "[required] number of episodes", "Sample Per Episode", "Runtime Env"):
+        assert field in form_text, field
+    by_key = {a.key: a for a in arts}
+    table_text, _ = chromium(f"{stack['ui']}/artifacts/artifact/{by_key['from-form-metrics'].id}",
+                             BROWSER_OUT / "run-metrics.png")
+    assert "per-episode metrics of from-form" in table_text
+    for column in ("episode", "reward_mean", "kl_mean", "episode_seconds"):
+        assert column in table_text, column
+    assert by_key["from-form-metrics"].flow_run_id == done.id
+    curve_text, curve_dom = chromium(f"{stack['ui']}/artifacts/artifact/{by_key['from-form-curves'].id}",
+                                     BROWSER_OUT / "run-curves.png")
+    assert "reward / KL / eval curve" in curve_text and 'src="data:image/png;base64,' in curve_dom
+
+
+def test_serve_runs_a_deployment_from_one_process(stack, tmp_path):
+    (tmp_path / "tiny.yaml").write_text(TINY.format(repo=REPO))
+    log = tmp_path / "serve.out"
+    serve = subprocess.Popen([sys.executable, "-m", "chatlearn.cli", "serve", "tiny.yaml", "--name", "served",
+                              "--on-overlap", "queue", "runtime.exp_name=served"], env=stack["env"], cwd=tmp_path,
+                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        dep = None
+        with _client(stack) as client:
+            while dep is None and time.time() < deadline:
+                try:
+                    dep = client.read_deployment_by_name("chatlearn-train/served")
+                except Exception:
+                    time.sleep(0.5)
+            assert dep is not None, log.read_text()
+            assert dep.concurrency_options.collision_strategy.value == "ENQUEUE"
+            time.sleep(3)  # the runner polls for its deployments' runs once it is up
+            run = client.create_flow_run_from_deployment(dep.id)
+        finished = _wait_final(stack, run.id)
+        assert finished.state.type.value == "COMPLETED", log.read_text()[-4000:]
+        assert (tmp_path / "out" / "served" / "metrics.jsonl").exists()
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=60)
