@@ -38,6 +38,23 @@ runtime:
 BROWSER_OUT = Path(REPO) / "output" / "browser-tests"
 
 
+def _popen(args: list[str], **kwargs) -> subprocess.Popen:
+    """A child that handles Ctrl-C as from a terminal: a shell's background job (CI) starts with SIGINT ignored,
+    which a child inherits, and then neither `chatlearn serve` nor `prefect worker` (SIGTERM -> SIGINT) stops."""
+    return subprocess.Popen(args, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs)
+
+
+def _stop(proc: subprocess.Popen, sig: int, grace: float = 60.0) -> None:
+    """Stop a child with `sig`; SIGKILL after `grace` seconds (a test must never leave one behind)."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{proc.args} did not stop on signal {sig} within {grace:.0f}s") from None
+
+
 def _wait_for_line(proc_log: Path, prefix: str, timeout: float = 120.0) -> str:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -57,8 +74,8 @@ def stack(tiny_model_dir):
     for key in ("PREFECT_API_URL", "RAY_ADDRESS"):
         env.pop(key, None)
     server_log = home / "server.out"
-    server = subprocess.Popen([sys.executable, "-m", "chatlearn.cli", "server"], env=env, cwd=home,
-                              stdout=open(server_log, "w"), stderr=subprocess.STDOUT, text=True)
+    server = _popen([sys.executable, "-m", "chatlearn.cli", "server"], env=env, cwd=home,
+                    stdout=open(server_log, "w"), stderr=subprocess.STDOUT, text=True)
     worker = None
     try:
         url = _wait_for_line(server_log, "export PREFECT_API_URL=")
@@ -68,16 +85,14 @@ def stack(tiny_model_dir):
         subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", "chatlearn", "--type", "process",
                         "--overwrite"], env=env, check=True, capture_output=True, timeout=120)
         worker_log = home / "worker.out"
-        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "chatlearn"],
-                                  env=env, cwd=home, stdout=open(worker_log, "w"), stderr=subprocess.STDOUT)
+        worker = _popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "chatlearn"],
+                        env=env, cwd=home, stdout=open(worker_log, "w"), stderr=subprocess.STDOUT)
         yield {"url": url, "ui": ui, "env": env, "home": home, "worker_log": worker_log,
                "server_log": server_log}
     finally:
         if worker is not None:
-            worker.terminate()
-            worker.wait(timeout=60)
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
+            _stop(worker, signal.SIGTERM)
+        _stop(server, signal.SIGTERM)
         state = home / "server" / "server.json"
         assert not state.exists() or not json.loads(state.read_text()), "chatlearn server left its server running"
 
@@ -223,9 +238,9 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
 def test_serve_runs_a_deployment_from_one_process(stack, tmp_path):
     (tmp_path / "tiny.yaml").write_text(TINY.format(repo=REPO))
     log = tmp_path / "serve.out"
-    serve = subprocess.Popen([sys.executable, "-m", "chatlearn.cli", "serve", "tiny.yaml", "--name", "served",
-                              "--on-overlap", "queue", "runtime.exp_name=served"], env=stack["env"], cwd=tmp_path,
-                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    serve = _popen([sys.executable, "-m", "chatlearn.cli", "serve", "tiny.yaml", "--name", "served",
+                    "--on-overlap", "queue", "runtime.exp_name=served"], env=stack["env"], cwd=tmp_path,
+                   stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
         dep = None
@@ -243,5 +258,4 @@ def test_serve_runs_a_deployment_from_one_process(stack, tmp_path):
         assert finished.state.type.value == "COMPLETED", log.read_text()[-4000:]
         assert (tmp_path / "out" / "served" / "metrics.jsonl").exists()
     finally:
-        serve.send_signal(signal.SIGINT)
-        serve.wait(timeout=60)
+        _stop(serve, signal.SIGINT)  # Ctrl-C, as a user stops it
