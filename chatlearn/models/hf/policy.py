@@ -16,6 +16,8 @@ from chatlearn.models.hf.common import (
 
 class PolicyArgs(HFModelArgs):
     max_new_tokens: int = Field(16, gt=0, description="longest response, in tokens")
+    min_new_tokens: int = Field(0, ge=0, description="shortest response, in tokens: EOS cannot be drawn before "
+                                "(as Hugging Face's min_new_tokens); max_new_tokens on both gives fixed lengths")
     top_k: int = Field(0, ge=-1, description="sample from the k most likely tokens (0 or vLLM's -1: all)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     prompt_key: str = Field("prompt", description="field of a data record that holds the prompt text")
@@ -120,6 +122,7 @@ class PolicyInference(HFModule):
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             max_new_tokens=self.args.max_new_tokens,
+            min_new_tokens=self.args.min_new_tokens,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
             use_cache=True,
@@ -147,7 +150,8 @@ class PolicyInference(HFModule):
     @torch.no_grad()
     def _generate_in_stages(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                             pad_token_id: int, eos_token_id: int, do_sample: bool = False,
-                            logits_processor: LogitsProcessorList | None = None, **_: object) -> torch.Tensor:
+                            logits_processor: LogitsProcessorList | None = None, min_new_tokens: int = 0,
+                            **_: object) -> torch.Tensor:
         """Generation through pipeline stages, simply: every step runs the whole sequence through the stages
         (no KV cache), then picks tokens as ``generate`` does (the logits processors, argmax; finished rows
         get padding). Every stage calls it with the same batch and gets the same tokens."""
@@ -156,9 +160,11 @@ class PolicyInference(HFModule):
                                       "only (sample ids); eval_do_sample is not supported with it yet")
         ids, mask = input_ids, attention_mask
         unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             scores = self.infer_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1, :].float()
+            if step < min_new_tokens:
+                scores[:, eos_token_id] = float("-inf")
             if logits_processor is not None:
                 scores = logits_processor(ids, scores)
             nxt = torch.where(unfinished, scores.argmax(-1), torch.full_like(unfinished, pad_token_id,
