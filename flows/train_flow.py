@@ -20,6 +20,7 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
 from chatlearn.checkpoint.resume import (
@@ -180,7 +181,10 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
             crash_point("episode_start", episode)
-            with instruments.episode(episode):
+            # no heartbeat thread of the episode's own: a sync subflow joins it on exit, and it sleeps in 1 s
+            # steps (up to 1 s an episode, ../shared/reference/prefect_ray.md); the train flow's heartbeat still
+            # tells Prefect the run is alive
+            with instruments.episode(episode), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                 metrics = episode_flow(run, episode, consumed, iteration)
             consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
             if initial_eval is not None and episode == 0:
