@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint bench bench-sync clean
+.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-overhead bench-growth clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,19 @@ bench: setup
 
 bench-sync: setup
 	$(BIN)/python bench/param_sync.py
+
+# our GRPO against TRL's GRPOTrainer on the same work (TRL is the optional `bench` extra, never a runtime need)
+bench-trl: setup
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python bench/vs_trl.py
+
+# the orchestration share of an episode: the full Prefect + Ray path against the same actors called directly
+bench-overhead: setup
+	$(BIN)/python bench/overhead.py
+
+# per-episode overhead early and late in a long run (Prefect's database grows)
+bench-growth: setup
+	$(BIN)/python bench/episode_growth.py
 
 clean:
 	rm -rf output .pytest_cache
