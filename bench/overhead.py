@@ -15,11 +15,13 @@ Variants (`--variant NAME`, repeatable; default: all):
                   flow's order with the same RunHandle; rule rewards fanned out as plain Ray tasks
     ray-only      no Prefect: each stage body a plain Ray task (num_cpus=0), chained as RayTaskRunner
                   chains them: what Ray's task dispatch costs without Prefect's engine
-    prefect       `episode_flow` as the real subflow, as `chatlearn train` runs it
-    no-heartbeat  the subflow with PREFECT_FLOWS_HEARTBEAT_FREQUENCY unset (no heartbeat thread to join)
-    no-api-logs   the subflow with PREFECT_LOGGING_TO_API_ENABLED=false
-    threadpool    the subflow on ThreadPoolTaskRunner: the same tasks in driver threads, no Ray task each
-    threadpool-no-heartbeat   both: what is left after the two cheapest changes
+    prefect       `episode_flow` as the real subflow, as `chatlearn train` runs it: on RayTaskRunner, with
+                  no heartbeat thread of its own (PREFECT_FLOWS_HEARTBEAT_FREQUENCY unset around the call,
+                  as flows/train_flow.py does since 3813c21; the bench flow keeps its heartbeat)
+    with-heartbeat  as prefect, with the subflow's own heartbeat thread (Prefect's default; before 3813c21)
+    no-api-logs   as prefect, with PREFECT_LOGGING_TO_API_ENABLED=false
+    threadpool    as prefect, on ThreadPoolTaskRunner: the same tasks in driver threads, no Ray task each
+                  (the rule-reward tasks too: they lose their Ray CPUs)
     no-subflow    the six tasks submitted from the bench flow on its RayTaskRunner: no episode subflow
 
 Medians per variant: seconds per episode (plain episodes, eval episodes, and the schedule's mix), the
@@ -58,14 +60,13 @@ from common import REPO  # noqa: E402  (bench/ is a folder of scripts, not a pac
 VARIANTS = {
     "direct": "stage bodies (task.fn) from the driver, no Prefect",
     "ray-only": "each stage body a plain Ray task, no Prefect",
-    "prefect": "episode_flow subflow, as chatlearn train",
-    "no-heartbeat": "subflow, PREFECT_FLOWS_HEARTBEAT_FREQUENCY unset",
-    "no-api-logs": "subflow, PREFECT_LOGGING_TO_API_ENABLED=false",
-    "threadpool": "subflow on ThreadPoolTaskRunner",
-    "threadpool-no-heartbeat": "subflow on ThreadPoolTaskRunner, no heartbeat",
-    "no-subflow": "the tasks on RayTaskRunner, no subflow",
+    "prefect": "episode_flow subflow as chatlearn train runs it (no own heartbeat)",
+    "with-heartbeat": "as prefect, with the subflow's own heartbeat thread",
+    "no-api-logs": "as prefect, PREFECT_LOGGING_TO_API_ENABLED=false",
+    "threadpool": "as prefect, on ThreadPoolTaskRunner",
+    "no-subflow": "the tasks on RayTaskRunner from the bench flow, no subflow",
 }
-SUBFLOW_VARIANTS = ("prefect", "no-heartbeat", "no-api-logs", "threadpool", "threadpool-no-heartbeat")
+SUBFLOW_VARIANTS = ("prefect", "with-heartbeat", "no-api-logs", "threadpool")
 STAGES = ("generate", "score", "train", "sync", "checkpoint", "eval")
 # what each stage task waits for in episode_flow (generate: the subflow's start)
 UPSTREAM = {"score": "generate", "train": "score", "sync": "train", "checkpoint": "train", "eval": "sync"}
@@ -531,11 +532,11 @@ def main(argv: list[str]) -> dict:
 
     def prefect_call(name: str, run: Any, ep: int, consumed: int, it: int) -> tuple[dict, Any]:
         settings: dict[Any, Any] = {}
-        if name in ("no-heartbeat", "threadpool-no-heartbeat"):
+        if name != "with-heartbeat":  # as flows/train_flow.py calls the episode subflow
             settings[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
         if name == "no-api-logs":
             settings[PREFECT_LOGGING_TO_API_ENABLED] = False
-        fl = on_threads if name.startswith("threadpool") else episode_flow
+        fl = on_threads if name == "threadpool" else episode_flow
         with temporary_settings(settings) if settings else contextlib.nullcontext():
             state = fl(run, ep, consumed, it, return_state=True)
         return state.result(), state.state_details.flow_run_id
