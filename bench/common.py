@@ -11,11 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_train(out: Path, overrides: list[str], what: str = "chatlearn train") -> float:
-    """Run `chatlearn train runtime.output_dir=OUT ...`; returns its wall seconds, exits on failure."""
-    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(out / "prefect"))
-    env.pop("PREFECT_API_URL", None)
-    cmd = [str(REPO / ".venv" / "bin" / "chatlearn"), "train", f"runtime.output_dir={out}", *overrides]
+def timed_run(cmd: list[str], env: dict[str, str], what: str) -> float:
+    """Run `cmd` in the repository root; returns its wall seconds, exits (showing its stderr) on failure."""
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -23,6 +20,14 @@ def run_train(out: Path, overrides: list[str], what: str = "chatlearn train") ->
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"{what} failed with {proc.returncode}")
     return wall
+
+
+def run_train(out: Path, overrides: list[str], what: str = "chatlearn train") -> float:
+    """Run `chatlearn train runtime.output_dir=OUT ...`; returns its wall seconds, exits on failure."""
+    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(out / "prefect"))
+    env.pop("PREFECT_API_URL", None)
+    cmd = [str(REPO / ".venv" / "bin" / "chatlearn"), "train", f"runtime.output_dir={out}", *overrides]
+    return timed_run(cmd, env, what)
 
 
 def run_train_streamed(out: Path, overrides: list[str], what: str = "chatlearn train") -> tuple[float, list]:

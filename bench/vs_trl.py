@@ -35,7 +35,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -137,18 +136,15 @@ def run_ours(work: Path, model: Path, data: Path, steps: int, prompts: int, tag:
 # ---- TRL: GRPOTrainer in its own process ----
 
 def run_trl(work: Path, model: Path, data: Path, steps: int, prompts: int, tag: str) -> dict:
+    from common import timed_run  # bench/ is a folder of scripts, not a package
+
     out = work / f"trl-{tag}.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", "--model", str(model), "--data",
            str(data), "--steps", str(steps), "--prompts", str(prompts), "--out", str(out),
            "--work", str(work / f"trl-{tag}")]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"TRL worker failed with {proc.returncode}")
+    wall = timed_run(cmd, env, "TRL worker")
     result = json.loads(out.read_text())
     result["wall_seconds"] = wall
     return result

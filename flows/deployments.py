@@ -123,13 +123,10 @@ def ensure_work_pool(name: str) -> bool:
         return False
 
 
-from_source = Flow.from_source
-
-
 def _source(entry: str) -> Any:
     """The flow loaded from this package's file, with the current directory as the run's working directory
     (where a worker runs it: relative paths of the config mean the same as here)."""
-    return from_source(source=os.getcwd(), entrypoint=f"{_FLOWS_DIR / (entry + '.py')}:{entry}")
+    return Flow.from_source(source=os.getcwd(), entrypoint=f"{_FLOWS_DIR / (entry + '.py')}:{entry}")
 
 
 def deploy(cfg: ChatLearnConfig, spec: DeploymentSpec, evaluate: bool = False) -> dict[str, str]:
