@@ -1,14 +1,16 @@
 """One episode as a Prefect subflow: generate → score → train → sync → checkpoint → eval, on Ray.
 
-The tasks run on `RayTaskRunner`, which reuses the Ray the train flow started or joined. They ask Ray for no
-CPU of their own (`num_cpus=0`): they only dispatch to the model actors, which hold the real resources.
+The six stage tasks only dispatch to the model actors, which hold the real resources and do the work on Ray;
+so the tasks themselves run on a `ThreadPoolTaskRunner` in the train flow's process (the Ray driver). As
+Prefect tasks on `RayTaskRunner` each one cost 0.10-0.18 s before its body ran (a Ray worker building
+Prefect's API client and settings per task; `bench/overhead.py`), about 1 s an episode, against about 10 ms in
+a thread. Stateless CPU work of an episode (rule rewards) is fanned out as Ray tasks with its own CPUs.
 """
 
 from typing import Any
 
 from prefect import flow
-from prefect_ray import RayTaskRunner
-from prefect_ray.context import remote_options
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from chatlearn.runtime.handles import RunHandle
 from chatlearn.runtime.schedule import every
@@ -16,19 +18,20 @@ from chatlearn.utils.faults import crash_point
 from flows.stage_tasks import checkpoint, evaluate, generate, score, sync, train
 
 
-@flow(name="episode", flow_run_name="episode-{episode}", task_runner=RayTaskRunner(), validate_parameters=False)
+# six stage tasks at most wait at once (each blocks on its upstream future, then on its actors)
+@flow(name="episode", flow_run_name="episode-{episode}", task_runner=ThreadPoolTaskRunner(max_workers=6),
+      validate_parameters=False)
 def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int) -> dict[str, Any]:
     """Run one episode; returns its metrics (small numbers only)."""
-    with remote_options(num_cpus=0, max_retries=0):
-        rollouts = generate.submit(run, episode, consumed_samples)
-        experience = score.submit(run, rollouts)
-        trained = train.submit(run, experience, episode, start_iteration)
-        synced = sync.submit(run, episode, trained)
-        saved = checkpoint.submit(run, episode, trained)
-        eval_due = every(run.eval_episode_interval, episode)
-        evaluated = evaluate.submit(run, episode, synced, trained) if eval_due else None
-        rollouts.wait()
-        crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
+    rollouts = generate.submit(run, episode, consumed_samples)
+    experience = score.submit(run, rollouts)
+    trained = train.submit(run, experience, episode, start_iteration)
+    synced = sync.submit(run, episode, trained)
+    saved = checkpoint.submit(run, episode, trained)
+    eval_due = every(run.eval_episode_interval, episode)
+    evaluated = evaluate.submit(run, episode, synced, trained) if eval_due else None
+    rollouts.wait()
+    crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
 
     gen, exp, tr, sy, ck = rollouts.result(), experience.result(), trained.result(), synced.result(), saved.result()
     metrics: dict[str, Any] = {"episode": episode, "consumed_samples": consumed_samples + gen.meta["num_samples"]}

@@ -7,6 +7,7 @@ actors, and a cached `train` would silently skip an update.
 """
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -15,7 +16,6 @@ import torch
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect_ray.context import remote_options
 
 from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
 from chatlearn.models.hf.reward import score_samples, text_samples
@@ -46,28 +46,46 @@ def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
                   num_samples=sum(len(idx) for _, idx, _ in batches), first_iteration=first_iteration)
 
 
-@task(name="rule-reward", cache_policy=NO_CACHE)
 def rule_reward(batch: RefBox, rule: RuleSpec, model: str) -> list[float]:
     """A rule reward on one batch, stateless: fetch the batch, call the function on each sample (each call
-    bounded by the rule's timeout), return the scores. Runs on Ray with the rule's CPUs, batches in parallel."""
+    bounded by the rule's timeout), return the scores. Runs as a Ray task with the rule's CPUs."""
     data = ray.get(batch.refs[0])
     samples = text_samples(data)
     where = f"{model} reward_fn {rule.reward_fn}"
     return score_samples(import_callable(rule.reward_fn), samples, rule.timeout_s, where)
 
 
-def fan_out_rule(run: RunHandle, model: str, batches: list[Any]) -> list[Any]:
-    """Submit one `rule-reward` task per batch (all in parallel); returns their futures, in batch order."""
+class RuleFuture:
+    """One batch's rule-reward Ray task; `result()` waits for its scores (and raises its error)."""
+
+    def __init__(self, ref: Any):
+        self.ref = ref
+
+    def result(self) -> list[float]:
+        return ray.get(self.ref)
+
+
+_RULE_TASKS: dict[float, Any] = {}
+_RULE_TASKS_LOCK = threading.Lock()
+
+
+def fan_out_rule(run: RunHandle, model: str, batches: list[Any]) -> list[RuleFuture]:
+    """One `rule-reward` Ray task per batch, all in parallel, each with the rule's `num_cpus`; returns their
+    futures in batch order. Plain Ray tasks (2 ms to dispatch), not Prefect tasks (about 150 ms each on Ray):
+    the score and eval stages that fan them out are the Prefect tasks."""
     rule = run.rule_rewards[model]
-    with remote_options(num_cpus=rule.num_cpus, max_retries=0):
-        return [rule_reward.submit(RefBox([b]), rule, model) for b in batches]
+    with _RULE_TASKS_LOCK:
+        if rule.num_cpus not in _RULE_TASKS:
+            _RULE_TASKS[rule.num_cpus] = ray.remote(num_cpus=rule.num_cpus, max_retries=0)(rule_reward)
+        remote = _RULE_TASKS[rule.num_cpus]
+    return [RuleFuture(remote.options(name="rule-reward").remote(RefBox([b]), rule, model)) for b in batches]
 
 
 @task(name="score", cache_policy=NO_CACHE)
 def score(run: RunHandle, rollouts: RefBox) -> RefBox:
     """Scorers (reference, value) run on each rollout batch in parallel; the final model (reward) merges.
 
-    A rule reward is called in `rule-reward` tasks fanned out over the batches while the scorers run; its
+    A rule reward is called in `rule-reward` Ray tasks fanned out over the batches while the scorers run; its
     actor then only turns the scores into the experience (advantages)."""
     forget_peers()  # nothing of another run's calls is waited for here
     t0 = time.perf_counter()

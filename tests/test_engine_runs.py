@@ -1,7 +1,6 @@
 """Integration: two episodes of each new engine from its shipped config (GRPO, DPO, online DPO with LoRA),
 through a real Ray and a real Prefect API, and GRPO's exact resume after SIGKILL in a real process."""
 
-import asyncio
 import json
 import os
 import signal
@@ -40,21 +39,9 @@ def rows_of(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def task_runs_named(name):
-    from prefect import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
-
-    async def read():
-        async with get_client() as client:
-            return await client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=name)))
-
-    return asyncio.run(read())
-
-
 def test_grpo_two_episodes_and_both_sources_of_old_logprobs(prefect_api, ray_session, tiny_model_dir, tmp_path):
     from flows import train_flow
 
-    before = len(task_runs_named("rule-reward"))
     cfg = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32")
     train_flow(cfg)
     rows = rows_of(tmp_path / cfg.runtime.exp_name)
@@ -67,11 +54,6 @@ def test_grpo_two_episodes_and_both_sources_of_old_logprobs(prefect_api, ray_ses
     assert rows[0]["approx_kl"] == pytest.approx(0.0, abs=1e-5)
     assert rows[1]["kl_loss"] > 0
     assert "eval_reward_mean_before_training" in rows[0] and "eval_exact_match" in rows[1]
-    # the rule reward ran as Prefect tasks: 2 generation batches per episode, 8 eval batches twice (before
-    # training and after episode 2); none of them in the reward's actor
-    runs = task_runs_named("rule-reward")
-    assert len(runs) - before == 2 * 2 + 2 * 8
-    assert all(r.state.is_completed() for r in runs)
 
     # the trainer's own forward pass as the old log-probs: the same weights give the same first episode
     cfg2 = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32", "runtime.num_episode=1",
@@ -172,3 +154,31 @@ def test_a_raising_rule_reward_stops_the_run_naming_the_sample(prefect_api, ray_
     with pytest.raises(Exception, match=r"reward reward_fn math:sqrt: raised TypeError: .* on sample 0 \(prompt "):
         train_flow(cfg)
     assert not (tmp_path / cfg.runtime.exp_name / "final").exists()
+
+
+def test_rule_rewards_fan_out_as_ray_tasks_with_their_cpus(ray_session):
+    """Each batch's rule reward is a Ray task asking for the rule's CPUs: the scores are the function's, and a
+    rule asking for more CPUs than the cluster has is never run (Ray keeps it pending)."""
+    import ray
+
+    from chatlearn.runtime.handles import RuleSpec, RunHandle
+    from chatlearn.runtime.plan import EpisodePlan
+    from flows.stage_tasks import fan_out_rule
+
+    fn = "chatlearn.tasks.max_digit:max_digit_reward"
+    batches = [ray.put({"sample_id": [1, 2], "prompt": ["max 1 2 ?", "max 7 3 ?"], "response": ["2", "1"],
+                        "answer": ["2", "7"], "response_ids": torch.zeros(2, 1)}),
+               ray.put({"sample_id": [3], "prompt": ["max 5 ?"], "response": ["5"], "answer": ["5"]})]
+
+    def handle(num_cpus):
+        return RunHandle(namespace="x", actors={}, plan=EpisodePlan(producer="policy"), dataset_size=1,
+                         run_dir="x", exp_name="x", sample_per_episode=1,
+                         generation_batch_size=1,
+                         rule_rewards={"reward": RuleSpec(reward_fn=fn, timeout_s=10, num_cpus=num_cpus)})
+
+    futures = fan_out_rule(handle(0.5), "reward", batches)
+    assert [f.result() for f in futures] == [[1.0, pytest.approx(0.5 * (1 - 6 / 9))], [1.0]]
+    pending = fan_out_rule(handle(64), "reward", batches[:1])[0]
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        ray.get(pending.ref, timeout=3)
+    ray.cancel(pending.ref, force=True)

@@ -217,3 +217,23 @@ def test_min_new_tokens_keeps_eos_out_until_then(tiny_model_dir):
     assert (ids[:, :3] != eos).all() and (ids[:, 3] == eos).all()
     policy.args.min_new_tokens = 0
     assert (policy.forward_step(batch, iteration=0)["response_ids"][:, 0] == eos).all()
+
+
+@pytest.mark.parametrize("args", [{"max_new_tokens": 6}, {"max_new_tokens": 5, "min_new_tokens": 3,
+                                                         "temperature": 0.7, "top_k": 5}])
+def test_the_samplers_logprobs_are_the_forward_pass_logprobs(tiny_model_dir, args):
+    """Generation keeps the drawn tokens' log-probs as it samples; they are what a forward pass over the
+    responses gives (the reference's and the trainer's view), with no top-k and no EOS ban in them."""
+    from chatlearn.models.hf.common import response_logprobs
+
+    policy = bound(PolicyInference, "policy", {"model_path": tiny_model_dir, **args})
+    batch = policy.collate_fn(policy.build_dataset(make_records(8, seed=2)))
+    batch["sample_id"] = list(range(40, 48))
+    out = policy.forward_step(batch, iteration=1)
+    assert out["logprobs"].shape == out["response_mask"].shape
+    with torch.no_grad():
+        full = response_logprobs(policy.model, out, policy.device, policy.args.temperature)
+    assert torch.allclose(out["logprobs"], full, atol=1e-5)
+    assert (out["logprobs"][out["response_mask"] == 0] == 0).all()
+    if args.get("min_new_tokens"):  # the ban held, yet no banned step's log-prob was renormalised without EOS
+        assert (out["response_ids"][:, :3] != policy.tokenizer.eos_token_id).all()

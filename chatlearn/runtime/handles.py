@@ -3,10 +3,12 @@
 Prefect serializes flow parameters to JSON for its API, so the episode subflow gets a small, readable
 `RunHandle` (namespace, actor names, dataset sizes, the plan, and the handful of config numbers the stage
 tasks read) and each task looks its actors up by name; no task carries the whole config.
-`RefBox` carries ObjectRefs between tasks without RayTaskRunner resolving them (it `ray.get`s every bare
-ObjectRef it finds in task parameters, which would drag rollouts through every task process).
+`RefBox` carries ObjectRefs between tasks without a task runner resolving them (RayTaskRunner `ray.get`s every
+bare ObjectRef it finds in task parameters, which would drag rollouts through every task process; the episode's
+thread-pool runner would not, but a boxed ref reads the same under both).
 """
 
+import threading
 from typing import Any
 
 import ray
@@ -17,7 +19,7 @@ from chatlearn.runtime.sync import SyncRoute
 
 
 class RuleSpec(BaseModel):
-    """A rule reward the score and eval stages call as stateless Prefect tasks (one per batch, in parallel)."""
+    """A rule reward the score and eval stages call as stateless Ray tasks (one per batch, in parallel)."""
 
     reward_fn: str
     timeout_s: float
@@ -46,7 +48,7 @@ class RunHandle(BaseModel):
     eval_post_process_fn: str | None = None
     placement: list[dict[str, Any]] = Field(default_factory=list, description="one row per worker process")
     rule_rewards: dict[str, "RuleSpec"] = Field(default_factory=dict,
-                                                description="rule rewards scored by fanned-out Prefect tasks")
+                                                description="rule rewards scored by fanned-out Ray tasks")
     sync_routes: list[SyncRoute] = Field(default_factory=list, description="trainer -> inference weight routes")
     concurrent_comm: bool = True
     param_sync_max_workers: int | None = None
@@ -91,20 +93,28 @@ class ModelHandle:
         return f"ModelHandle({self.model} in {self.process})"
 
 
-# Results of the ranks other than 0 of replica calls made in this process, checked by `settle_peers`.
-_PEERS: list[Any] = []
+class _Peers(threading.local):
+    """Results of the ranks other than 0 of replica calls made in this thread, checked by `settle_peers`.
+    Per thread: the stage tasks run in driver threads at once (sync and checkpoint after train), and each
+    settles only its own calls."""
+
+    def __init__(self) -> None:
+        self.refs: list[Any] = []
+
+
+_PEERS = _Peers()
 
 
 def forget_peers() -> None:
-    """Drop what earlier calls of this process left (a run that failed before settling, in a process that
-    outlives runs: a test session, a Ray worker that runs tasks of several runs)."""
-    _PEERS.clear()
+    """Drop what earlier calls of this thread left (a run that failed before settling, in a process that
+    outlives runs: a test session, a thread pool that runs tasks of several runs)."""
+    _PEERS.refs.clear()
 
 
 def settle_peers() -> None:
-    """Wait for the other ranks of every replica call made so far; raises the first error among them."""
-    refs = list(_PEERS)
-    _PEERS.clear()
+    """Wait for the other ranks of every replica call this thread made so far; raises the first error."""
+    refs = list(_PEERS.refs)
+    _PEERS.refs.clear()
     if refs:
         ray.get(refs)
 
@@ -134,7 +144,7 @@ class _ReplicaMethod:
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         refs = [getattr(r, self.method).remote(*args, **kwargs) for r in self.ranks]
-        _PEERS.extend(refs[1:])
+        _PEERS.refs.extend(refs[1:])
         return refs[0]
 
 

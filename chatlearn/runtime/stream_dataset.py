@@ -17,6 +17,7 @@ from chatlearn.config import RuntimeConfig
 from chatlearn.data.batch import split_batch
 from chatlearn.data.relay import RelayBuffer, load_hook
 from chatlearn.data.stream import episode_training_samples
+from chatlearn.utils.wire import packed
 
 
 def _resolve(value: Any) -> Any:
@@ -51,7 +52,7 @@ class StreamDataset:
                                                 self.rt.sample_per_episode)
         stats = experience_stats(own)
         stats.update(num_samples=len(samples), relay_episodes=len(self.relay.episodes))
-        return ray.put(samples), stats
+        return ray.put(packed(samples)), stats  # tensors as arrays: each trainer's get is cheap
 
     def hold(self, *batches: Any) -> list[ray.ObjectRef]:
         """Fresh refs, owned by this actor, to the given batches (refs or values).

@@ -40,17 +40,37 @@ class PerSampleSampler:
     sample's response does not depend on which batch, batch size or replica generated it, nor on how much the
     batch padded its prompt; a resumed run and a run with another `generation_batch_size` draw the same
     responses. `prompt_width` is the batch's padded prompt length (where the response starts in `input_ids`).
+
+    It also keeps the sampled tokens' log-probs, log_softmax(logits / T) over the whole vocabulary (what the
+    trainers compute: no top-k/top-p, no EOS ban), so generation needs no second forward pass for them
+    (`logprobs()`). That needs the model's own logits: `min_new_tokens` is applied here, after they are read,
+    not by Hugging Face's processor (which would run before this one and hide EOS's logit).
     """
 
     def __init__(self, seed: int, sample_ids: list[int], temperature: float, top_k: int, top_p: float,
-                 prompt_width: int = 0):
+                 prompt_width: int = 0, min_new_tokens: int = 0, eos_token_id: int | None = None):
         self.seed, self.sample_ids = seed, list(sample_ids)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.prompt_width = prompt_width
+        self.min_new_tokens, self.eos_token_id = min_new_tokens, eos_token_id
+        self._logprobs: list[torch.Tensor] = []
+
+    def logprobs(self, length: int) -> torch.Tensor:
+        """[B, length] log-probs of the tokens drawn at the first `length` steps (rows that had finished hold
+        the log-prob of a token generation replaced by padding: masked downstream)."""
+        if length > len(self._logprobs):
+            raise RuntimeError(f"the sampler saw {len(self._logprobs)} steps, not {length}")
+        if length == 0:
+            return torch.zeros(len(self.sample_ids), 0)
+        return torch.stack(self._logprobs[:length], 1)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
         scores = scores.float() / self.temperature
+        full = scores.log_softmax(-1)
+        if self.eos_token_id is not None and step < self.min_new_tokens:
+            scores = scores.clone()
+            scores[:, self.eos_token_id] = float("-inf")
         vocab = scores.shape[-1]
         if 0 < self.top_k < vocab:
             kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
@@ -65,7 +85,11 @@ class PerSampleSampler:
             gen = torch.Generator(device="cpu").manual_seed((self.seed * 1_000_003 + sid) * 65_537 + step)
             u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
             noise[row] = (-torch.log(-torch.log(u))).to(noise.device, noise.dtype)
-        return scores + noise
+        out = scores + noise
+        # greedy decoding takes the argmax of what this returns: that token's log-prob, unbanned and unclipped
+        if len(self._logprobs) == step:
+            self._logprobs.append(full.gather(-1, out.argmax(-1, keepdim=True)).squeeze(-1).cpu())
+        return out
 
 
 def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -108,10 +132,14 @@ class PolicyInference(HFModule):
         torch.manual_seed(seed)
         prompt_ids = data["prompt_ids"].to(self.device)
         prompt_mask = data["prompt_mask"].to(self.device)
+        sampler = None
+        min_new_tokens = self.args.min_new_tokens
         if do_sample and data.get("sample_id") is not None:
             sampler = PerSampleSampler(self.seed, data["sample_id"], self.args.temperature, self.args.top_k,
-                                       self.args.top_p, prompt_width=prompt_ids.shape[1])
+                                       self.args.top_p, prompt_width=prompt_ids.shape[1],
+                                       min_new_tokens=min_new_tokens, eos_token_id=self.tokenizer.eos_token_id)
             kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
+            min_new_tokens = 0  # the sampler bans EOS itself, after reading its logit
         elif do_sample:
             kwargs = dict(do_sample=True, temperature=self.args.temperature, top_k=self.args.top_k,
                           top_p=self.args.top_p)
@@ -122,7 +150,7 @@ class PolicyInference(HFModule):
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             max_new_tokens=self.args.max_new_tokens,
-            min_new_tokens=self.args.min_new_tokens,
+            min_new_tokens=min_new_tokens,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
             use_cache=True,
@@ -136,12 +164,18 @@ class PolicyInference(HFModule):
             self.tokenizer.decode(ids[: int(m.sum())], skip_special_tokens=True)
             for ids, m in zip(response_ids, mask, strict=True)
         ]
-        return {**data, "response_ids": response_ids, "response_mask": mask, "response": texts}
+        out = {**data, "response_ids": response_ids, "response_mask": mask, "response": texts}
+        if sampler is not None:
+            out["logprobs"] = sampler.logprobs(response_ids.shape[1]) * mask
+        return out
 
     @torch.no_grad()
     def forward_step(self, data, iteration):
+        """Sampled responses and their log-probs: the sampler's, kept while drawing; a forward pass over the
+        responses only where no per-sample sampler drew them (no sample ids)."""
         out = self._generate(data, do_sample=True, seed=self.seed * 1_000_003 + iteration)
-        out["logprobs"] = response_logprobs(self.infer_model, out, self.device, self.args.temperature).cpu()
+        if "logprobs" not in out:
+            out["logprobs"] = response_logprobs(self.infer_model, out, self.device, self.args.temperature).cpu()
         return out
 
     def eval_step(self, data):
