@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-overhead bench-growth clean
+.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-overhead bench-growth bench-mfu bench-scaling clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,14 @@ bench-overhead: setup
 # per-episode overhead early and late in a long run (Prefect's database grows)
 bench-growth: setup
 	$(BIN)/python bench/episode_growth.py
+
+# the train step's FLOP/s against this machine's sgemm, generation against its memory and compute bounds
+bench-mfu: setup
+	$(BIN)/python bench/mfu.py
+
+# seconds per sample at 128 / 512 / 2048 samples per episode and with 1 / 2 / 4 policy replicas (table + PNG)
+bench-scaling: setup
+	$(BIN)/python bench/scaling.py
 
 clean:
 	rm -rf output .pytest_cache

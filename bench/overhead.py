@@ -12,16 +12,17 @@ the schedule's period each variant sees the default's mix of eval and plain epis
 Variants (`--variant NAME`, repeatable; default: all):
 
     direct        no Prefect: the stage tasks' bodies (`task.fn`) called from the driver in the episode
-                  flow's order with the same RunHandle; rule rewards fanned out as plain Ray tasks
+                  flow's order with the same RunHandle (rule rewards are plain Ray tasks there too)
     ray-only      no Prefect: each stage body a plain Ray task (num_cpus=0), chained as RayTaskRunner
                   chains them: what Ray's task dispatch costs without Prefect's engine
-    prefect       `episode_flow` as the real subflow, as `chatlearn train` runs it: on RayTaskRunner, with
-                  no heartbeat thread of its own (PREFECT_FLOWS_HEARTBEAT_FREQUENCY unset around the call,
-                  as flows/train_flow.py does since 3813c21; the bench flow keeps its heartbeat)
+    prefect       `episode_flow` as the real subflow, as `chatlearn train` runs it: its stage tasks on
+                  ThreadPoolTaskRunner (since e9b5c77), with no heartbeat thread of its own
+                  (PREFECT_FLOWS_HEARTBEAT_FREQUENCY unset around the call, as flows/train_flow.py does since
+                  3813c21; the bench flow keeps its heartbeat)
     with-heartbeat  as prefect, with the subflow's own heartbeat thread (Prefect's default; before 3813c21)
     no-api-logs   as prefect, with PREFECT_LOGGING_TO_API_ENABLED=false
-    threadpool    as prefect, on ThreadPoolTaskRunner: the same tasks in driver threads, no Ray task each
-                  (the rule-reward tasks too: they lose their Ray CPUs)
+    raytaskrunner as prefect, the stage tasks on RayTaskRunner (num_cpus=0): each a Prefect task in a Ray
+                  worker, as before e9b5c77
     no-subflow    the six tasks submitted from the bench flow on its RayTaskRunner: no episode subflow
 
 Medians per variant: seconds per episode (plain episodes, eval episodes, and the schedule's mix), the
@@ -63,10 +64,10 @@ VARIANTS = {
     "prefect": "episode_flow subflow as chatlearn train runs it (no own heartbeat)",
     "with-heartbeat": "as prefect, with the subflow's own heartbeat thread",
     "no-api-logs": "as prefect, PREFECT_LOGGING_TO_API_ENABLED=false",
-    "threadpool": "as prefect, on ThreadPoolTaskRunner",
+    "raytaskrunner": "as prefect, the stage tasks on RayTaskRunner (before e9b5c77)",
     "no-subflow": "the tasks on RayTaskRunner from the bench flow, no subflow",
 }
-SUBFLOW_VARIANTS = ("prefect", "with-heartbeat", "no-api-logs", "threadpool")
+SUBFLOW_VARIANTS = ("prefect", "with-heartbeat", "no-api-logs", "raytaskrunner")
 STAGES = ("generate", "score", "train", "sync", "checkpoint", "eval")
 # what each stage task waits for in episode_flow (generate: the subflow's start)
 UPSTREAM = {"score": "generate", "train": "score", "sync": "train", "checkpoint": "train", "eval": "sync"}
@@ -74,45 +75,17 @@ UPSTREAM = {"score": "generate", "train": "score", "sync": "train", "checkpoint"
 
 # ---- the no-Prefect paths (module level: the ray-only variant ships them to Ray workers by value) ----
 
-class _RayFuture:
-    """What `score`/`evaluate` need of a rule-reward future: `.result()`."""
-
-    def __init__(self, ref: Any):
-        self.ref = ref
-
-    def result(self) -> Any:
-        import ray
-        return ray.get(self.ref)
-
-
-_RULE_FNS: dict[float, Any] = {}
-
-
-def _ray_fan_out(run: Any, model: str, batches: list[Any]) -> list[_RayFuture]:
-    """`fan_out_rule` without Prefect: one plain Ray task per batch with the rule's CPUs, in parallel."""
-    import ray
-
-    import flows.stage_tasks as st
-    from chatlearn.runtime.handles import RefBox
-
-    rule = run.rule_rewards[model]
-    if rule.num_cpus not in _RULE_FNS:
-        _RULE_FNS[rule.num_cpus] = ray.remote(num_cpus=rule.num_cpus, max_retries=0)(st.rule_reward.fn)
-    fn = _RULE_FNS[rule.num_cpus]
-    return [_RayFuture(fn.remote(RefBox([b]), rule, model)) for b in batches]
-
-
 @contextlib.contextmanager
 def _no_prefect() -> Any:
-    """Within: the stage bodies fan rule rewards out as plain Ray tasks and create no Prefect artifact."""
+    """Within: the stage bodies create no Prefect artifact (their rule rewards are plain Ray tasks anyway)."""
     import flows.stage_tasks as st
 
-    saved = st.fan_out_rule, st.create_table_artifact
-    st.fan_out_rule, st.create_table_artifact = _ray_fan_out, lambda **_: None
+    saved = st.create_table_artifact
+    st.create_table_artifact = lambda **_: None
     try:
         yield st
     finally:
-        st.fan_out_rule, st.create_table_artifact = saved
+        st.create_table_artifact = saved
 
 
 def _stage_in_worker(stage: str, *args: Any) -> Any:
@@ -514,8 +487,8 @@ def main(argv: list[str]) -> dict:
     import ray
     from prefect import flow, get_client
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
-    from prefect.task_runners import ThreadPoolTaskRunner
     from prefect_ray import RayTaskRunner
+    from prefect_ray.context import remote_options
 
     from chatlearn.checkpoint.resume import data_checkpoint_dir
     from chatlearn.config import load_config
@@ -528,7 +501,7 @@ def main(argv: list[str]) -> dict:
     cfg = load_config(None, [f"runtime.output_dir={out}", "runtime.exp_name=overhead", *args.overrides])
     eng = resolve_engine(cfg)
     rt = cfg.runtime
-    on_threads = episode_flow.with_options(task_runner=ThreadPoolTaskRunner())
+    on_ray = episode_flow.with_options(task_runner=RayTaskRunner())
 
     def prefect_call(name: str, run: Any, ep: int, consumed: int, it: int) -> tuple[dict, Any]:
         settings: dict[Any, Any] = {}
@@ -536,8 +509,12 @@ def main(argv: list[str]) -> dict:
             settings[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
         if name == "no-api-logs":
             settings[PREFECT_LOGGING_TO_API_ENABLED] = False
-        fl = on_threads if name == "threadpool" else episode_flow
-        with temporary_settings(settings) if settings else contextlib.nullcontext():
+        fl = on_ray if name == "raytaskrunner" else episode_flow
+        with contextlib.ExitStack() as stack:
+            if settings:
+                stack.enter_context(temporary_settings(settings))
+            if name == "raytaskrunner":  # as episode_flow submitted its tasks on RayTaskRunner
+                stack.enter_context(remote_options(num_cpus=0, max_retries=0))
             state = fl(run, ep, consumed, it, return_state=True)
         return state.result(), state.state_details.flow_run_id
 
