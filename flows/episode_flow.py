@@ -27,9 +27,11 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
     experience = score.submit(run, rollouts)
     trained = train.submit(run, experience, episode, start_iteration)
     synced = sync.submit(run, episode, trained)
-    saved = checkpoint.submit(run, episode, trained)
+    # one stage at a time after train: a model replica of several processes runs collectives (FSDP gathers,
+    # tensor-parallel forward), and two stages' calls reaching its ranks in different orders deadlock them
+    saved = checkpoint.submit(run, episode, trained, wait_for=[synced])
     eval_due = every(run.eval_episode_interval, episode)
-    evaluated = evaluate.submit(run, episode, synced, trained) if eval_due else None
+    evaluated = evaluate.submit(run, episode, synced, trained, wait_for=[saved]) if eval_due else None
     rollouts.wait()
     crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
 
