@@ -18,8 +18,7 @@ import ray
 from chatlearn.checkpoint.resume import models_to_checkpoint
 from chatlearn.config import ChatLearnConfig
 from chatlearn.config.engine_checks import group_size
-from chatlearn.config.engines import ENGINES
-from chatlearn.data.prompts import load_records
+from chatlearn.data.preflight import preflight
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime.handles import RuleSpec, RunHandle, forget_peers
@@ -91,8 +90,43 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     cpus = max(os.cpu_count() or 1, int(need + 0.999) + 4)
     # address="local": a new local Ray even when a `ray start` cluster (or its leftover address file) is on
     # this machine; joining one is what RAY_ADDRESS is for
-    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
+    with loopback_only():
+        ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
     return True
+
+
+@contextlib.contextmanager
+def loopback_only() -> Iterator[None]:
+    """Start a local Ray that listens on 127.0.0.1 only, with token authentication.
+
+    Ray binds its gRPC servers (GCS, raylet, every worker and actor) and agents to all interfaces unless the
+    node's address is the loopback one, and `ray.init(_node_ip_address="127.0.0.1")` is turned back into the
+    machine's external address. Ray's macOS/Windows mode (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) is the one
+    switch that makes a node use 127.0.0.1, and with it every server and agent binds loopback only
+    (tests/test_network.py lists the sockets). The switch is read at import into `ray_constants`, so it is set
+    there for this call and in the environment the Ray processes inherit, then put back: a later
+    `ray.init(address=...)` joining a cluster in this process is not affected.
+
+    Token authentication (`RAY_AUTH_MODE=token`, Ray generates `~/.ray/auth_token` once) is on unless the
+    user chose a mode: other local users cannot reach the loopback ports without the token either.
+    """
+    from ray._private import ray_constants  # the flag Ray's node-address lookup reads at call time
+    from ray._private.authentication import authentication_token_setup as auth
+
+    if "RAY_AUTH_MODE" not in os.environ:  # as Ray's own default for a new local cluster, without its warning
+        auth._enable_token_auth()  # sets the variable and refreshes the mode this process already cached
+    saved_env = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
+        else:
+            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
 
 
 def _wait_for_nodes(count: int, timeout_s: float = 300.0) -> None:
@@ -192,14 +226,12 @@ def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
            data_checkpoint_path: str = "") -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
     """Yield (RunHandle, model groups, StreamDataset actor) for a run; everything is torn down on exit."""
     rt = cfg.runtime
-    with_train_data = ENGINES[eng.name].needs_train_data
     producer_cfg = cfg.models[eng.plan.producer]
     key = record_keys(eng.modules[eng.plan.producer], producer_cfg.args_dict or {})
-    prompts = load_records(rt.data_path, key) if with_train_data else []
-    wants_eval = rt.eval_episode_interval or rt.enable_eval_before_training or not with_train_data
-    eval_prompts = load_records(rt.eval_data_path, key) if rt.eval_data_path and wants_eval else []
+    # model files, records and prompt lengths checked before Ray starts (kept from the CLI's or the flow's call)
+    prompts, eval_prompts = preflight(cfg, eng)
     if prompts and producer_cfg.batch_generation.ranking:
-        prompts = rank_prompts(prompts, rt.sample_per_episode, key)
+        prompts = rank_prompts(prompts, rt.sample_per_episode, key[0])
     build_local_model_files(cfg, eng.modules)
 
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
