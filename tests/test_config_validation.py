@@ -143,7 +143,7 @@ def test_unknown_lora_and_batch_generation_keys():
     )
     assert problems_of(data) == [
         "models.policy.lora.foo: unknown key, not defined in LoraConfig",
-        "models.policy.batch_generation.rank: unknown key, not defined in BatchGenerationConfig",
+        "models.policy.batch_generation.rank: unknown key, not defined in BatchGenerationConfig; did you mean ranking?",
     ]
 
 

@@ -51,6 +51,6 @@ class DeploymentConfig(Section):
         if value is not None:
             try:
                 ZoneInfo(value)
-            except (ZoneInfoNotFoundError, ValueError) as exc:
+            except (ZoneInfoNotFoundError, ValueError, OSError) as exc:  # OSError: a name too long for a file
                 raise ValueError(f"unknown time zone {value!r} (IANA names, e.g. Europe/Berlin)") from exc
         return value

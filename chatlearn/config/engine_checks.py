@@ -17,7 +17,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from chatlearn.config.engines import ENGINES, EngineSpec, default_module
-from chatlearn.config.errors import ConfigWarning
+from chatlearn.config.errors import ConfigWarning, did_you_mean
+from chatlearn.config.model import PARALLEL_KEYS
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.config.support import unsupported_values
 from chatlearn.utils.imports import import_callable, import_object
@@ -134,14 +135,30 @@ def _module_args(cfg: ChatLearnConfig, roles: list[str], modules: Mapping[str, A
         schema = getattr(cls, "args_schema", None)
         if schema is None:
             continue
+        args = cfg.models[name].args_dict or {}
+        if _is_builtin(cls):
+            problems += _unknown_args(name, cls, schema, args)
         try:
-            schema.model_validate(cfg.models[name].args_dict or {})
+            schema.model_validate(args)
         except ValidationError as exc:
-            for err in exc.errors():
-                loc = ".".join(str(x) for x in err["loc"])
+            for err in exc.errors(include_url=False):
+                loc = ".".join([f"models.{name}.args_dict", *(str(x) for x in err["loc"])])
                 msg = err["msg"].removeprefix("Value error, ")
-                problems.append(f"models.{name}.args_dict.{loc}: {msg}")
+                problems.append(f"{loc}: {msg}")
     return problems
+
+
+def _unknown_args(name: str, cls: type, schema: Any, args: Mapping[Any, Any]) -> list[str]:
+    """A built-in module knows every argument it reads (its ``args_schema``), so any other ``args_dict`` key is a
+    misspelling (or another backend's key) that would silently leave the argument at its default: refused,
+    with the nearest known name. ``module`` (which class to run) and the parallel sizes a model file may set
+    (copied to the model's fields by the loader) are the config's, not the module's, and always allowed.
+    A user's module keeps a free ``args_dict``: its schema, when it has one, decides."""
+    fields = getattr(schema, "model_fields", {})
+    known = {*fields, *(f.alias for f in fields.values() if getattr(f, "alias", None)), "module", *PARALLEL_KEYS}
+    owner = getattr(schema, "__name__", "its args_schema")
+    return [f"models.{name}.args_dict.{key}: unknown argument of {cls.__name__} (not in {owner})"
+            f"{did_you_mean(key, known)}" for key in args if key not in known]
 
 
 def _hooks(cfg: ChatLearnConfig) -> list[str]:

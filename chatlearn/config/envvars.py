@@ -4,23 +4,41 @@ As ChatLearn: a whole-value reference is replaced by the variable, else its defa
 text is read as a literal (``4``, ``True``, ``1e-5``, ``[1,2]``, ``None``, ``'quoted'`` -> ``quoted``). Better
 than ChatLearn 1.0.2: references inside longer text (``runs/${USER:me}/x``) and inside lists are substituted
 too, and a default may contain ``:`` (ChatLearn cuts it there). A reference with no value and no default is
-recorded with the dotted path of the value, so the loader can name both when the field cannot be ``None``.
+recorded with the dotted path of the value, so the loader can name both: a whole value becomes ``None``,
+accepted where ChatLearn accepts it (a field whose default is ``None``, a backend key of ``args_dict``) with a
+warning, an error everywhere else (ChatLearn refuses those too); a reference inside longer text is always an
+error, never an empty string (``${OUT}/out`` would silently become ``/out``).
 """
 
 import ast
 import os
 import re
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
-from chatlearn.config.errors import ConfigWarning
+from chatlearn.config.errors import ConfigError, ConfigWarning
 
-__all__ = ["YamlLoader", "Missing", "parse_value", "substitute_env_vars", "warn_missing"]
+__all__ = ["Missing", "Unset", "YamlLoader", "parse_value", "substitute_env_vars", "unset_problem", "warn_missing"]
 
-# (variable name, dotted path of the value that referenced it)
-Missing = list[tuple[str, str]]
+
+class Unset(NamedTuple):
+    """A ``${VAR}`` with no value and no default: the variable, the dotted path of the value that named it, and
+    whether it stood inside longer text (then the text is kept as written and the loader refuses it)."""
+
+    name: str
+    path: str
+    in_text: bool = False
+
+
+Missing = list[Unset]
+
+
+def unset_problem(unset: Unset) -> str:
+    """``"path: ${VAR} is not set and has no default"`` (the line a ConfigError gives for it)."""
+    where = " (inside text)" if unset.in_text else ""
+    return f"{unset.path or 'config'}: ${{{unset.name}}} is not set and has no default{where}"
 
 
 class YamlLoader(yaml.SafeLoader):
@@ -59,13 +77,13 @@ def parse_value(text: str) -> Any:
     if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
         try:  # ChatLearn's ast.literal_eval: ${X:'recompute'} is the text recompute
             value = ast.literal_eval(stripped)
-        except (ValueError, SyntaxError):
+        except Exception:  # anything literal_eval refuses is the text between the quotes
             return stripped[1:-1]
         return value if isinstance(value, str) else text
     if stripped[:1] in ("[", "{"):
         try:
             return yaml.load(stripped, Loader=YamlLoader)
-        except yaml.YAMLError:
+        except Exception:  # not a YAML list/dict (a syntax error, a bad date, a deep nest): text
             return text
     return text
 
@@ -94,7 +112,7 @@ def substitute_text(value: str, path: str, missing: Missing) -> Any:
             return parse_value(os.environ[name])
         if default is not None:
             return parse_value(default)
-        missing.append((name, path))
+        missing.append(Unset(name, path))
         return None
 
     def replace(match: re.Match[str]) -> str:
@@ -103,25 +121,26 @@ def substitute_text(value: str, path: str, missing: Missing) -> Any:
             return os.environ[name]
         if default is not None:
             return default
-        missing.append((name, path))
-        return ""
+        missing.append(Unset(name, path, in_text=True))
+        return match.group(0)
 
     return _EMBEDDED_VAR.sub(replace, value)
 
 
 def warn_missing(missing: Missing) -> None:
-    """One warning listing the unset variables that became ``None`` (or ``''`` inside text)."""
+    """One warning listing the unset variables that became ``None`` (those inside text are errors)."""
+    missing = [m for m in missing if not m.in_text]
     if not missing:
         return
     by_name: dict[str, list[str]] = {}
-    for name, path in missing:
+    for name, path, _ in missing:
         by_name.setdefault(name, []).append(path)
     parts = []
     for name, paths in by_name.items():
         shown = ", ".join(paths[:3]) + (f", ... ({len(paths)} places)" if len(paths) > 3 else "")
         parts.append(f"${{{name}}} at {shown}")
     warnings.warn(
-        "environment variables not set and without a default (values set to None, or '' inside text): "
+        "environment variables not set and without a default (values set to None): "
         + "; ".join(parts),
         ConfigWarning,
         stacklevel=3,
@@ -129,8 +148,12 @@ def warn_missing(missing: Missing) -> None:
 
 
 def substitute_env_vars(data: Any) -> Any:
-    """Replace ``${VAR}`` / ``${VAR:default}`` in every string of ``data`` (returns a new object)."""
+    """Replace ``${VAR}`` / ``${VAR:default}`` in every string of ``data`` (returns a new object); an unset
+    reference inside longer text is a ConfigError naming it, an unset whole value becomes None (a warning)."""
     missing: Missing = []
     result = substitute(data, "", missing)
+    in_text = [unset_problem(m) for m in missing if m.in_text]
+    if in_text:
+        raise ConfigError(in_text)
     warn_missing(missing)
     return result

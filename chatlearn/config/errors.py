@@ -1,12 +1,17 @@
 """How config problems are reported: one error listing every problem as ``"dotted.path: message"``."""
 
+import difflib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["ConfigError", "ConfigWarning", "problems_from_validation_error"]
+__all__ = ["ConfigError", "ConfigWarning", "closest_name", "did_you_mean", "problems_from_validation_error"]
+
+# How alike a misspelt key and a known name must be (difflib's ratio) for "did you mean X?": low enough for a
+# dropped or swapped letter (num_episodes, temprature: 0.95), high enough that an unrelated key gets no guess.
+SUGGEST_CUTOFF = 0.7
 
 
 class ConfigError(ValueError):
@@ -15,7 +20,9 @@ class ConfigError(ValueError):
     def __init__(self, problems: str | Sequence[str]) -> None:
         if isinstance(problems, str):
             problems = [problems]
-        self.problems: list[str] = list(dict.fromkeys(problems))
+        # one line each: the CLI prints a problem per line, so a message with line breaks (a hook's error, a
+        # YAML parser's) is folded onto its line
+        self.problems: list[str] = list(dict.fromkeys(_one_line(str(p)) for p in problems))
         super().__init__("\n".join(self.problems))
 
     def __str__(self) -> str:
@@ -31,11 +38,32 @@ class ConfigWarning(UserWarning):
     tunes speed and is not implemented yet)."""
 
 
+def _one_line(problem: str) -> str:
+    """One printable line: line breaks folded, text that is not UTF-8 (a lone surrogate) escaped."""
+    return re.sub(r"\s*\n\s*", " ", problem.strip()).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def closest_name(key: Any, known: Iterable[Any], cutoff: float = SUGGEST_CUTOFF) -> str | None:
+    """The known name nearest to a misspelt ``key`` (None when nothing is close, or ``key`` is not text)."""
+    if not isinstance(key, str) or not key:
+        return None
+    names = [k for k in known if isinstance(k, str) and k != key]
+    matches = difflib.get_close_matches(key, names, n=1, cutoff=cutoff)
+    return matches[0] if matches else None
+
+
+def did_you_mean(key: Any, known: Iterable[Any], cutoff: float = SUGGEST_CUTOFF) -> str:
+    """``"; did you mean X?"`` for the known name nearest to ``key``, else ``""`` (appended to a message)."""
+    match = closest_name(key, known, cutoff)
+    return f"; did you mean {match}?" if match else ""
+
+
 # Union members add their type to an error's location ("data_path.str"): recognised so they can be dropped.
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|tuple\[.*\]|[a-z-]+\[.*\])$")
 
 
-def _owner_name(model_cls: type[BaseModel], loc: Sequence[Any]) -> str:
+def _owner(model_cls: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel]:
+    """The section class that holds the key at ``loc`` (nested sections followed down from ``model_cls``)."""
     cls: Any = model_cls
     for part in loc:
         field = cls.model_fields.get(part) if isinstance(part, str) else None
@@ -43,8 +71,8 @@ def _owner_name(model_cls: type[BaseModel], loc: Sequence[Any]) -> str:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             cls = ann
         else:
-            return cls.__name__
-    return cls.__name__
+            return cls
+    return cls
 
 
 def problems_from_validation_error(err: ValidationError, prefix: str, model_cls: type[BaseModel]) -> list[str]:
@@ -54,7 +82,9 @@ def problems_from_validation_error(err: ValidationError, prefix: str, model_cls:
         loc = list(item["loc"])
         msg = item["msg"]
         if item["type"] == "extra_forbidden":
-            msg = f"unknown key, not defined in {_owner_name(model_cls, loc[:-1])}"
+            owner = _owner(model_cls, loc[:-1])
+            known = [n for n, f in owner.model_fields.items() if not f.exclude]
+            msg = f"unknown key, not defined in {owner.__name__}{did_you_mean(loc[-1] if loc else None, known)}"
         else:
             loc = [p for p in loc if not (isinstance(p, str) and _UNION_TAG.match(p))]
             for lead in ("Value error, ", "Assertion failed, "):

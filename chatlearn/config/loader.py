@@ -6,9 +6,11 @@ Follows ChatLearn 1.0.x's loader so its YAML files work unchanged, and fixes its
   absolute (falling back to the including file's own directory), recursive, deep-merged so that later
   includes override earlier ones and the including file overrides all of them; cycles are errors.
 * ``${VAR}`` / ``${VAR:default}`` values (:mod:`chatlearn.config.envvars`), substituted file by file as
-  ChatLearn does. A reference with no value and no default becomes ``None``: fine where the field's default
-  is ``None`` (a warning lists them), an error naming the field and the variable where it is not (ChatLearn
-  refuses those too).
+  ChatLearn does, and in override values too. A reference with no value and no default becomes ``None``:
+  fine where ChatLearn takes ``None`` (a field whose default is ``None``, a backend key in ``args_dict``, a
+  user extra; a warning lists them), an error ``"runtime.num_episode: ${NUM_EPISODE} is not set and has no
+  default"`` everywhere else (ChatLearn refuses those too; a whole section set to ``None`` would otherwise
+  silently take every default), and always inside longer text (``${OUT}/out`` is not ``/out``).
 * Unquoted numbers like ``1e-5`` are floats (YAML 1.1 would read them as strings).
 * ``models.<name>.model_config_file`` is parsed the same way into the model's ``args_dict`` (inline
   ``args_dict`` keys win); tensor/pipeline parallel sizes and ``zero_size`` found there override the model's
@@ -28,10 +30,20 @@ from typing import Any
 
 import yaml
 
-from chatlearn.config.envvars import Missing, YamlLoader, parse_value, substitute, substitute_text, warn_missing
+from chatlearn.config.deployment import DeploymentConfig
+from chatlearn.config.envvars import (
+    Missing,
+    YamlLoader,
+    parse_value,
+    substitute,
+    substitute_text,
+    unset_problem,
+    warn_missing,
+)
 from chatlearn.config.errors import ConfigError
-from chatlearn.config.model import PARALLEL_KEYS
+from chatlearn.config.model import PARALLEL_KEYS, BatchGenerationConfig, LoraConfig, ModelConfig
 from chatlearn.config.root import ChatLearnConfig, ConfigCheck, run_checks, validate_config
+from chatlearn.config.runtime import RuntimeConfig, RuntimeEnvConfig
 
 __all__ = [
     "deep_merge",
@@ -74,11 +86,73 @@ def _read_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid YAML at {where}: {problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+    except (ValueError, TypeError, OverflowError) as exc:  # a constructor's: !!int x, a date 2024-13-01
+        raise ConfigError(f"{path}: invalid YAML value: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    try:
+        size = _expanded_size(data, set(), {})
+    except (_SelfReference, RecursionError):
+        raise ConfigError(f"{path}: invalid YAML: an alias (*name) is used inside the value its anchor (&name) "
+                          "marks, so the value would contain itself") from None
+    if size > MAX_VALUES:
+        raise ConfigError(f"{path}: invalid YAML: its aliases expand to {size} values (at most {MAX_VALUES})")
     return data
+
+
+# A YAML file's aliases share one object; expanded (as each later step copies them) a few nested ones multiply.
+MAX_VALUES = 1_000_000
+
+
+class _SelfReference(Exception):
+    """A YAML alias inside the value its own anchor marks."""
+
+
+def _expanded_size(value: Any, ancestors: set[int], sizes: dict[int, int]) -> int:
+    """How many values ``value`` holds once its shared (aliased) parts are copied; each object counted once,
+    so a file of nested aliases is measured in linear time. Raises :class:`_SelfReference` on a cycle."""
+    if not isinstance(value, dict | list):
+        return 1
+    key = id(value)
+    if key in sizes:
+        return sizes[key]
+    if key in ancestors:
+        raise _SelfReference
+    ancestors.add(key)
+    children = value.values() if isinstance(value, dict) else value
+    sizes[key] = 1 + sum(_expanded_size(v, ancestors, sizes) for v in children)
+    ancestors.discard(key)
+    return sizes[key]
+
+
+def _text_problems(value: Any, path: str) -> list[str]:
+    """Text that cannot be written out as UTF-8 (JSON for ``chatlearn config``, Prefect parameters): a lone
+    surrogate (a ``"\\ud800"`` escape, a non-UTF-8 environment variable) or ``!!binary`` data that is not
+    text."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return [f"{path or 'config'}: {value!r} is not valid text (a lone surrogate: a \\ud800-style escape or "
+                    "a non-UTF-8 environment variable)"]
+    elif isinstance(value, bytes):
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            return [f"{path or 'config'}: binary data (!!binary) that is not UTF-8 text"]
+    elif isinstance(value, dict):
+        found = []
+        for key, item in value.items():
+            found += _text_problems(key, f"{path}.<key>" if path else "<key>")
+            found += _text_problems(item, f"{path}.{key}" if path else str(key))
+        return found
+    elif isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _text_problems(item, f"{path}.{i}" if path else str(i))]
+    return []
 
 
 def _beside(path: Any, folder: str) -> Any:
@@ -106,9 +180,16 @@ def _anchor_included_paths(data: dict[str, Any], own_dir: str) -> None:
 
 
 def _expand_includes(
-    data: dict[str, Any], source: str, config_dir: str, own_dir: str, stack: list[str], missing: Missing
+    data: dict[str, Any],
+    source: str,
+    config_dir: str,
+    own_dir: str,
+    stack: list[str],
+    missing: Missing,
+    prefix: str = "",
 ) -> dict[str, Any]:
-    """Merge the files named by ``data['includes']`` under ``data`` (which wins)."""
+    """Merge the files named by ``data['includes']`` under ``data`` (which wins); ``prefix`` is the dotted
+    path the files' values land under (a model config file's: ``models.<name>.args_dict``)."""
     includes = data.pop("includes", None)
     if includes is None:
         return data
@@ -132,16 +213,27 @@ def _expand_includes(
         if real in stack:
             chain = " -> ".join([*stack[stack.index(real) :], real])
             raise ConfigError(f"{source}: includes: include cycle: {chain}")
-        included = _load_tree(found, config_dir, [*stack, real], "", missing)
+        included = _load_tree(found, config_dir, [*stack, real], prefix, missing)
         _anchor_included_paths(included, os.path.dirname(found))
         merged = deep_merge(merged, included)
     return deep_merge(merged, data)
 
 
+def _refuse_unset_includes(source: str, unset: Missing, prefix: str) -> None:
+    """``includes: ${VAR}`` (or a list item) with the variable unset: an error, not a silently skipped file."""
+    key = f"{prefix}.includes" if prefix else "includes"
+    for m in unset:
+        if m.path == key or m.path.startswith(key + "."):
+            raise ConfigError(f"{source}: includes: ${{{m.name}}} is not set and has no default")
+
+
 def _load_tree(path: str, config_dir: str, stack: list[str], prefix: str, missing: Missing) -> dict[str, Any]:
     """One file, ``${VAR}`` substituted (as ChatLearn does, file by file), its includes merged under it."""
-    data = substitute(_read_yaml(path), prefix, missing)
-    return _expand_includes(data, path, config_dir, os.path.dirname(path), stack, missing)
+    unset: Missing = []
+    data = substitute(_read_yaml(path), prefix, unset)
+    _refuse_unset_includes(path, unset, prefix)
+    missing += unset
+    return _expand_includes(data, path, config_dir, os.path.dirname(path), stack, missing, prefix)
 
 
 def _load_file(path: str, config_dir: str | None, prefix: str, missing: Missing) -> dict[str, Any]:
@@ -161,6 +253,9 @@ def load_yaml_with_includes(path: str | os.PathLike, config_dir: str | None = No
     """
     missing: Missing = []
     data = _load_file(os.fspath(path), config_dir, "", missing)
+    in_text = [unset_problem(m) for m in missing if m.in_text]
+    if in_text:
+        raise ConfigError(in_text)
     warn_missing(missing)
     return data
 
@@ -168,7 +263,8 @@ def load_yaml_with_includes(path: str | os.PathLike, config_dir: str | None = No
 Override = tuple[list[str], Any, str]
 
 
-def _parse_overrides(overrides: Sequence[str], problems: list[str]) -> list[Override]:
+def _parse_overrides(overrides: Sequence[str], problems: list[str], missing: Missing) -> list[Override]:
+    """``dotted.key=value`` items, values read like an env var's (``${VAR}`` in them substituted)."""
     if isinstance(overrides, str):
         overrides = [overrides]
     parsed = []
@@ -181,7 +277,8 @@ def _parse_overrides(overrides: Sequence[str], problems: list[str]) -> list[Over
         if not all(keys):
             problems.append(f"overrides: {item!r} has an empty key; expected dotted.key=value")
             continue
-        parsed.append((keys, parse_value(raw), item))
+        value = substitute_text(raw, ".".join(keys), missing) if "${" in raw else parse_value(raw)
+        parsed.append((keys, value, item))
     return parsed
 
 
@@ -266,14 +363,41 @@ def _sync_parallel_sizes(data: dict[str, Any], parsed: list[Override]) -> None:
 
 
 def _name_missing_variables(problems: list[str], missing: Missing) -> list[str]:
-    """A field that cannot be None and got an unset ``${VAR}``: say which variable, not "not an int"."""
-    by_path = {path: name for name, path in missing}
-    named = []
-    for problem in problems:
-        path = problem.split(": ", 1)[0]
-        name = by_path.get(path)
-        named.append(f"{path}: ${{{name}}} is not set and has no default" if name else problem)
-    return named
+    """A value that got an unset ``${VAR}`` and failed validation: say which variable, not "not an int"."""
+    by_path = {m.path: m for m in missing}
+    return [unset_problem(by_path[p.split(": ", 1)[0]]) if p.split(": ", 1)[0] in by_path else p for p in problems]
+
+
+_SECTIONS: dict[str, Any] = {"runtime": RuntimeConfig, "runtime_env": RuntimeEnvConfig, "deployment": DeploymentConfig}
+_MODEL_SECTIONS: dict[str, Any] = {"lora": LoraConfig, "batch_generation": BatchGenerationConfig}
+
+
+def _may_be_none(parts: list[str]) -> bool:
+    """Whether ChatLearn takes ``None`` at this dotted path (from an unset ``${VAR}``): a field whose default is
+    ``None``, a user extra, a backend key inside ``args_dict``, an ignored top-level key; not a section, a
+    model, or a field with another default (there ChatLearn refuses it, and here the default would
+    silently replace it)."""
+    if parts[0] in _SECTIONS:
+        cls, rest = _SECTIONS[parts[0]], parts[1:]
+    elif parts[0] == "models":
+        if len(parts) < 3:
+            return False
+        cls, rest = ModelConfig, parts[2:]
+        if rest[0] == "args_dict":
+            return len(rest) > 1
+        if rest[0] in _MODEL_SECTIONS:
+            cls, rest = _MODEL_SECTIONS[rest[0]], rest[1:]
+    else:
+        return parts[0] not in ChatLearnConfig.model_fields
+    if not rest:
+        return False
+    field = cls.model_fields.get(rest[0])
+    return field is None or len(rest) > 1 or (field.default is None and field.default_factory is None)
+
+
+def _unset_problems(missing: Missing) -> list[str]:
+    """The unset references that are errors (see :func:`_may_be_none`), as ``"path: ${VAR} ..."`` lines."""
+    return [unset_problem(m) for m in missing if m.in_text or not _may_be_none(m.path.split("."))]
 
 
 def _build(
@@ -284,7 +408,8 @@ def _build(
     checks: Iterable[ConfigCheck],
 ) -> ChatLearnConfig:
     problems: list[str] = []
-    parsed = _parse_overrides(overrides, problems)
+    override_missing: Missing = []
+    parsed = _parse_overrides(overrides, problems, override_missing)
     # Once before reading model config files (an override may name another file), once after (so
     # overrides win over the files' values).
     _apply_overrides(data, parsed, problems)
@@ -292,14 +417,18 @@ def _build(
     _apply_overrides(data, parsed, None)
     _sync_parallel_sizes(data, parsed)
     overridden = {".".join(keys) for keys, _, _ in parsed}
-    missing[:] = [(name, path) for name, path in missing if path not in overridden]
+    # what an override replaced no longer matters; the deprecated `rlhf` section is validated as `runtime`
+    missing[:] = [m for m in missing if m.path not in overridden] + override_missing
+    missing[:] = [m._replace(path="runtime" + m.path[4:]) if m.path.split(".")[0] == "rlhf" else m for m in missing]
+    problems += _unset_problems(missing)
+    problems += _text_problems(data, "")
     try:
         config = validate_config(data, checks)
     except ConfigError as exc:
         raise ConfigError(problems + _name_missing_variables(exc.problems, missing)) from None
-    warn_missing(missing)
     if problems:
         raise ConfigError(problems)
+    warn_missing(missing)
     return config
 
 
@@ -317,7 +446,11 @@ def load_config_dict(
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: must be a mapping, got {type(data).__name__}")
     missing: Missing = []
-    tree = substitute(copy.deepcopy(dict(data)), "", missing)
+    try:
+        tree = substitute(copy.deepcopy(dict(data)), "", missing)
+    except RecursionError:  # a dict that contains itself, or nested a thousand deep
+        raise ConfigError("config: nested too deeply (or contains itself)") from None
+    _refuse_unset_includes("<config>", missing, "")
     if "includes" in tree:
         base = config_dir if config_dir is not None else os.getcwd()
         tree = _expand_includes(tree, "<config>", base, base, [], missing)

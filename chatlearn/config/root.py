@@ -15,7 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from chatlearn.config.checks import check_sections
 from chatlearn.config.deployment import DeploymentConfig
-from chatlearn.config.errors import ConfigError, ConfigWarning, problems_from_validation_error
+from chatlearn.config.errors import (
+    ConfigError,
+    ConfigWarning,
+    closest_name,
+    did_you_mean,
+    problems_from_validation_error,
+)
 from chatlearn.config.model import ModelConfig
 from chatlearn.config.runtime import RuntimeConfig, RuntimeEnvConfig
 
@@ -79,7 +85,7 @@ class ChatLearnConfig(BaseModel):
             return self
         _resolve_generation_batch_size(self.runtime, self.models)
         if not (info.context or {}).get(_CHECKED):
-            _warn_unknown_model_keys(self.models)
+            _warn_unknown_keys(self.runtime_env, self.runtime, self.models)
             problems = collect_problems(self)
             if problems:
                 raise ValueError("\n".join(problems))
@@ -192,7 +198,7 @@ def validate_config(
             models_dropped[str(name)] = dropped
     if runtime is not None and "generation_batch_size" not in rt_dropped:
         _resolve_generation_batch_size(runtime, models)
-    _warn_unknown_model_keys(models)
+    _warn_unknown_keys(runtime_env, runtime, models)
     problems += check_sections(runtime, models, [str(n) for n in models_raw], rt_dropped, models_dropped)
     if checks and runtime is not None and runtime_env is not None and not rt_dropped:
         complete = {n: m for n, m in models.items() if not models_dropped[n]}
@@ -243,11 +249,35 @@ def _resolve_generation_batch_size(runtime: RuntimeConfig, models: Mapping[str, 
             model.generation_batch_size = runtime.generation_batch_size
 
 
-def _warn_unknown_model_keys(models: Mapping[str, ModelConfig]) -> None:
+# A user extra of runtime / runtime_env is warned about only when this close to a field (a misspelling, not
+# one of the keys ChatLearn's own configs add: eval_data_num_limit, query_key, ...).
+EXTRA_CUTOFF = 0.8
+
+
+def _warn_unknown_keys(
+    runtime_env: RuntimeEnvConfig | None, runtime: RuntimeConfig | None, models: Mapping[str, ModelConfig]
+) -> None:
+    """Unknown keys the sections keep (see :mod:`chatlearn.config.sections`), named with the nearest field.
+
+    ``runtime`` / ``runtime_env``: ChatLearn keeps them as user extras for ``get(key)``, so only a key that
+    looks like a misspelt field is a warning (``runtime.num_episodes`` -> ``num_episode``); ``models.<name>``:
+    ChatLearn logs "unknown argument" for each, so each is a warning, with the nearest field when one is close.
+    """
+    for prefix, sec in (("runtime_env", runtime_env), ("runtime", runtime)):
+        for key in (sec.model_extra or {}) if sec is not None else {}:
+            match = closest_name(key, type(sec).model_fields, EXTRA_CUTOFF)
+            if match:
+                warnings.warn(
+                    f"{prefix}.{key}: unknown key, kept as a user extra (read with {prefix}.get({key!r})); "
+                    f"did you mean {match}?",
+                    ConfigWarning,
+                    stacklevel=4,
+                )
     for name, model in models.items():
         for key in model.model_extra or {}:
+            hint = did_you_mean(key, ModelConfig.model_fields) or "; a backend hyper-parameter goes in args_dict"
             warnings.warn(
-                f"models.{name}.{key}: unknown argument, kept but not used by ChatLearn",
+                f"models.{name}.{key}: unknown argument, kept but not used by ChatLearn{hint}",
                 ConfigWarning,
                 stacklevel=4,
             )
@@ -274,7 +304,8 @@ def _normalize_top_level(data: Mapping[str, Any], problems: list[str] | None) ->
     for key in list(data):
         if key not in ChatLearnConfig.model_fields:
             warnings.warn(
-                f"{key}: unknown top-level key ignored (known: runtime_env, runtime, models, deployment)",
+                f"{key}: unknown top-level key ignored (known: runtime_env, runtime, models, deployment)"
+                f"{did_you_mean(key, ChatLearnConfig.model_fields)}",
                 ConfigWarning,
                 stacklevel=5,
             )
