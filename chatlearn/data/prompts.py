@@ -1,9 +1,18 @@
-"""Prompt records from JSONL or JSON files, with errors that name the file and line."""
+"""Prompt records from JSONL or JSON files, with errors that name the file and line.
+
+Whatever a file holds (any bytes, a BOM, invalid UTF-8, JSON nested too deeply, an integer too long to
+convert, huge lines) gives records or a :class:`DataError` naming the file (and the line where there is one),
+never another exception: the error is read before anything starts, so it must say where to look and must not
+print the offending data (a line can be megabytes long).
+"""
 
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+_BOM = b"\xef\xbb\xbf"
+_JSON_SPACE = " \t\r"  # what may surround a JSONL record besides the newline (str.strip() takes more)
 
 
 class DataError(ValueError):
@@ -17,45 +26,108 @@ def load_records(paths: str | Sequence[str], required_key: str | Sequence[str] |
     prompt; a DPO pair's chosen and rejected responses), checked here on the driver so the error can name the
     file and line before any actor starts.
     """
+    return [rec for _, rec in load_placed_records(paths, required_key)]
+
+
+def load_placed_records(paths: str | Sequence[str],
+                        required_key: str | Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """As :func:`load_records`, each record with its place: ``"file:line"`` (JSONL) or ``"file: record i"``
+    (JSON), so later checks (e.g. prompt length, :mod:`chatlearn.data.preflight`) can name it too."""
     if isinstance(paths, str | Path):
         paths = [str(paths)]
-    records: list[dict[str, Any]] = []
+    records: list[tuple[str, dict[str, Any]]] = []
     for path in paths:
-        p = Path(path)
-        if not p.is_file():
-            raise DataError(f"{path}: prompt file not found")
-        text = p.read_text(encoding="utf-8")
-        if p.suffix == ".json":
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
-            if not isinstance(data, list):
-                raise DataError(f"{path}: a .json prompt file must hold a list of records")
-            for i, rec in enumerate(data):
-                if not isinstance(rec, dict):
-                    raise DataError(f"{path}: record {i} is not an object")
-                _check_key(rec, required_key, f"{path}: record {i}")
-            records.extend(data)
-            continue
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from exc
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            _check_key(rec, required_key, f"{path}:{lineno}")
-            records.append(rec)
+        text = _read_text(str(path))
+        if Path(path).suffix == ".json":
+            records.extend(_json_records(str(path), text, required_key))
+        else:
+            records.extend(_jsonl_records(str(path), text, required_key))
     if not records:
-        raise DataError(f"{', '.join(map(str, paths))}: no records")
+        names = ", ".join(map(str, paths)) or "no prompt file given"
+        raise DataError(f"{names}: no records (empty, or blank lines only)")
     return records
+
+
+def _read_text(path: str) -> str:
+    """The file as text: UTF-8, a leading UTF-8 BOM dropped (editors on Windows add one). Invalid UTF-8 is
+    an error at its line and column that shows the byte, never the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{path}: prompt file not found")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the prompt file: {exc.strerror or exc}") from exc
+    if data.startswith(_BOM):
+        data = data[len(_BOM):]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {column} of the line is 0x{data[exc.start]:02x}: "
+                        f"{exc.reason}); save the file as UTF-8") from None
+
+
+def _parse(text: str) -> Any:
+    """`json.loads`, every way it can fail turned into a short reason (a JSONDecodeError is kept)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise ValueError(str(exc).split(";")[0]) from None
+
+
+def _json_records(path: str, text: str, keys: str | Sequence[str] | None) -> list[tuple[str, dict[str, Any]]]:
+    try:
+        data = _parse(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+    except ValueError as exc:
+        raise DataError(f"{path}: invalid JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: a .json prompt file must hold a list of records, it holds a {type(data).__name__}")
+    out = []
+    for i, rec in enumerate(data):
+        where = f"{path}: record {i}"
+        if not isinstance(rec, dict):
+            raise DataError(f"{where} is not an object, it is a {type(rec).__name__}")
+        _check_key(rec, keys, where)
+        out.append((where, rec))
+    return out
+
+
+def _jsonl_records(path: str, text: str, keys: str | Sequence[str] | None) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    # "\n" only: str.splitlines() would also split at characters a JSON string may hold raw (U+2028, \x1c, ...)
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip(_JSON_SPACE):
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            rec = _parse(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        except ValueError as exc:
+            raise DataError(f"{where}: invalid JSON: {exc}") from None
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        _check_key(rec, keys, where)
+        out.append((where, rec))
+    return out
 
 
 def _check_key(rec: dict[str, Any], keys: str | Sequence[str] | None, where: str) -> None:
     for key in [keys] if isinstance(keys, str) else keys or []:
-        if not isinstance(rec.get(key), str):
-            found = "missing" if key not in rec else f"a {type(rec[key]).__name__}"
+        value = rec.get(key)
+        if not isinstance(value, str):
+            found = "missing" if key not in rec else f"a {type(value).__name__}"
             raise DataError(f"{where}: field {key!r} must be a string, it is {found}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:  # JSON's "\ud800" escape: valid JSON, but no tokenizer takes it
+            raise DataError(f"{where}: field {key!r} holds an unpaired surrogate "
+                            f"(\\u{ord(value[exc.start]):04x} at character {exc.start}), not text") from None

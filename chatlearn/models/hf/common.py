@@ -8,12 +8,12 @@ scoring alike; otherwise the trainer's log-probs would not match the sampler's.
 import os
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chatlearn.algorithms import logprobs_from_logits
 from chatlearn.config import ModelConfig
-from chatlearn.models.hf.tiny import ensure_tiny_model
+from chatlearn.models.hf.tiny import TinyModelSpec, ensure_tiny_model
 from chatlearn.models.torch_module import TorchModule
 
 
@@ -24,8 +24,15 @@ class HFModelArgs(BaseModel):
 
     module: str | None = Field(None, description="module class as 'package.module:Class' (built-in default by name)")
     model_path: str | None = Field(None, description="local Hugging Face model directory to load")
+    tiny_model_path: str | None = Field(
+        None, description="where the embedded tiny Llama may be built: when model_path names this directory and "
+        "it holds no model yet, a random-init tiny Llama (spec: tiny_model) is built there first. The one switch "
+        "that builds it; any other model_path that does not exist is an error naming it (a typo is never "
+        "silently filled with a random model)"
+    )
     tiny_model: dict | None = Field(
-        None, description="build a random-init tiny Llama at model_path first if it is not there (spec fields)"
+        None, description="spec of the tiny Llama built at tiny_model_path (chatlearn.models.hf.tiny.TinyModelSpec "
+        "fields; default: its defaults)"
     )
     temperature: float = Field(1.0, gt=0, description="sampling temperature (also used for log-probs)")
     dtype: str = Field("float32", description="torch dtype of the weights")
@@ -113,10 +120,56 @@ def response_hidden_states(backbone: torch.nn.Module, batch: dict, device: torch
     return out.last_hidden_state[:, span, :]
 
 
+def builds_tiny_model(args: HFModelArgs) -> bool:
+    """Whether `model_path` is where the config asks for the embedded tiny model (`tiny_model_path`).
+
+    The build is tied to that one path, not to `tiny_model` alone: the default config gives every model the
+    spec (configs/tiny_llama.yaml), so a `model_path` override with a typo would otherwise get a random model.
+    """
+    if not args.model_path or not args.tiny_model_path:
+        return False
+    return os.path.realpath(os.path.expanduser(args.model_path)) == os.path.realpath(
+        os.path.expanduser(args.tiny_model_path))
+
+
 def ensure_model_files(args: HFModelArgs) -> None:
     """Build the embedded tiny model when the config asks for it and it is not there yet."""
-    if args.tiny_model is not None and args.model_path:
+    if builds_tiny_model(args):
         ensure_tiny_model(args.model_path, args.tiny_model)
+
+
+def model_path_problems(args: HFModelArgs, owner: str) -> list[str]:
+    """What is wrong with `model_path`, as ``"args_dict.<field>: ..."`` lines (none: it can be loaded).
+
+    Checked on the driver before anything starts, so a typo is one line naming the field and the path rather
+    than a Hugging Face traceback from every actor after Ray and Prefect came up. The embedded tiny model is
+    built here, and only at `tiny_model_path` (:func:`builds_tiny_model`): a missing path is never silently
+    filled with a random model. `owner` names the module class in the message.
+    """
+    field = "args_dict.model_path"
+    path = args.model_path
+    if not path:
+        return [f"{field}: required: the local Hugging Face model directory {owner} loads"]
+    shown = repr(path) if os.path.isabs(path) else f"{path!r} ({os.path.abspath(path)})"
+    if builds_tiny_model(args):
+        try:
+            TinyModelSpec.model_validate(args.tiny_model or {})
+        except ValidationError as exc:
+            return [f"args_dict.tiny_model.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                    for e in exc.errors(include_url=False)]
+        try:
+            ensure_tiny_model(path, args.tiny_model)
+        except (ValueError, OSError) as exc:
+            return [f"{field}: cannot build the tiny model at {shown}: {exc}"]
+        return []
+    if not os.path.exists(path):
+        return [f"{field}: {shown} does not exist (a local Hugging Face model directory; the embedded tiny "
+                "Llama is built only where model_path is args_dict.tiny_model_path)"]
+    if not os.path.isdir(path):
+        return [f"{field}: {shown} is not a directory (a local Hugging Face model directory)"]
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return [f"{field}: {shown} has no config.json: not a Hugging Face model directory"]
+    return []
 
 
 class HFModule(TorchModule):
@@ -129,3 +182,9 @@ class HFModule(TorchModule):
 
     def prepare_files(self, module_args: ModelConfig) -> None:
         ensure_model_files(self.args_schema.model_validate(module_args.args_dict or {}))
+
+    def check_files(self, module_args: ModelConfig) -> list[str]:
+        """Problems with the model files the config names (``"args_dict.<field>: ..."``), found by the preflight
+        (`chatlearn.data.preflight`) before any Prefect or Ray resource exists; builds the tiny model where the
+        config asks for it, as `prepare_files` does."""
+        return model_path_problems(self.args_schema.model_validate(module_args.args_dict or {}), type(self).__name__)

@@ -1,8 +1,10 @@
 """Build the embedded tiny model: a character-level tokenizer and a random-init Llama, saved locally.
 
 There is no model hub on the machines this project runs on, so the default config points `model_path` at a
-directory that this module fills on first use. Everything downstream loads it with the ordinary
-`AutoTokenizer.from_pretrained` / `AutoModelForCausalLM.from_pretrained`, exactly as it would a real
+directory that this module fills on first use. Only that directory: the config names it as `tiny_model_path`
+(configs/tiny_llama.yaml) and a model whose `model_path` is elsewhere never gets a tiny model built for it
+(`chatlearn.models.hf.common.builds_tiny_model`), so a typo is an error. Everything downstream loads it with
+the ordinary `AutoTokenizer.from_pretrained` / `AutoModelForCausalLM.from_pretrained`, exactly as it would a real
 Hugging Face checkpoint, so the real loading code is what gets exercised.
 """
 

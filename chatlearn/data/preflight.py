@@ -1,0 +1,288 @@
+"""Models and data checked before anything starts: model paths, prompt files, prompt lengths.
+
+`chatlearn train` used to find a typo in `model_path`, a non-UTF-8 line or a prompt too long for the model
+only after the Prefect server, Ray and a flow run were up, as a traceback from an actor. :func:`preflight`
+runs the same checks on the driver first (`chatlearn train`/`eval` call it before `local_prefect_api`, the
+train flow before it claims the run directory, and `launch` takes its records from it before Ray starts, so
+the eval flow and Python callers are covered too), and reports:
+
+* a model file problem as a :class:`~chatlearn.config.ConfigError` naming ``models.<name>.args_dict.<field>``
+  (from each module's ``check_files``: the built-in Hugging Face modules check ``model_path`` and build the
+  embedded tiny model where ``model_path`` is ``args_dict.tiny_model_path``);
+* a data problem as a :class:`~chatlearn.data.prompts.DataError` naming the file and line;
+* a prompt longer than the producer's context (``max_position_embeddings`` of its ``model_path`` config)
+  minus what is generated after it (``max_new_tokens``; a DPO pair's longer response and EOS) as a
+  DataError naming the file and line, or cut to fit, keeping its end, where the producer's
+  ``args_dict.truncate_long_prompts`` is true.
+
+Neither Ray nor Prefect is imported here. The last result is kept (keyed by the config's relevant parts and
+the files' sizes and times), so the CLI, the flow and `launch` of one run read and tokenize the data once.
+"""
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from chatlearn.config import ChatLearnConfig, ConfigError
+from chatlearn.config.engines import ENGINES
+from chatlearn.data.prompts import DataError, load_placed_records
+
+__all__ = ["PreparedData", "preflight", "record_keys"]
+
+logger = logging.getLogger("chatlearn")
+
+# config.json fields that hold a model's context length, in the order Hugging Face's families use them
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+class _Plan(Protocol):
+    producer: str
+
+
+class _Engine(Protocol):
+    """What the preflight reads of `chatlearn.runtime.plan.ResolvedEngine` (a layer above this one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def modules(self) -> Mapping[str, Any]: ...
+    @property
+    def plan(self) -> _Plan: ...
+
+
+class PreparedData(NamedTuple):
+    """The records a run uses, checked (and cut to fit where the config says so)."""
+
+    prompts: list[dict[str, Any]]
+    eval_prompts: list[dict[str, Any]]
+
+
+class _Budget(NamedTuple):
+    """How long a prompt may be: the producer's tokenizer and context, what follows the prompt."""
+
+    tokenizer: Any
+    context: int
+    source: str  # where the context comes from, for messages
+    max_new_tokens: int | None  # a generating producer's reserve; None: a pair reader (its responses)
+    response_keys: tuple[str, ...]
+    max_response_tokens: int | None
+    truncate: bool
+    owner: str  # "models.<producer>.args_dict"
+
+
+_last: tuple[Any, PreparedData] | None = None
+
+
+def record_keys(producer: Any, args: Mapping[str, Any]) -> list[str]:
+    """The string fields every data record must hold for the producer: its prompt (``prompt_key``), and a
+    DPO pair's two responses (``chosen_key``, ``rejected_key``) when the producer reads pairs."""
+    keys = [args.get("prompt_key", "prompt")]
+    fields = getattr(producer.args_schema, "model_fields", {}) if getattr(producer, "args_schema", None) else {}
+    for name in ("chosen_key", "rejected_key"):
+        if name in fields:
+            keys.append(args.get(name, fields[name].default))
+    return keys
+
+
+def preflight(cfg: ChatLearnConfig, eng: _Engine) -> PreparedData:
+    """Check the engine's model files and the run's data; returns the records `launch` hands the producer.
+
+    Raises ConfigError (every model file problem, as dotted paths) or DataError (the first bad record, by file
+    and line). Builds the embedded tiny model where the config asks for it.
+    """
+    global _last
+    check_model_files(cfg, eng.modules)
+    key = _cache_key(cfg, eng)
+    if _last is not None and key is not None and _last[0] == key:
+        return PreparedData(list(_last[1].prompts), list(_last[1].eval_prompts))
+    data = _prepare_data(cfg, eng)
+    if key is not None:
+        _last = (key, data)
+    return PreparedData(list(data.prompts), list(data.eval_prompts))
+
+
+def check_model_files(cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> None:
+    """ConfigError listing what every module's ``check_files`` finds wrong (modules without one: nothing)."""
+    problems: list[str] = []
+    for name, module in modules.items():
+        check = getattr(module, "check_files", None)
+        if check is None or name not in cfg.models:
+            continue  # a module given in code only has no args_dict to check
+        problems += [f"models.{name}.{p}" for p in check(cfg.models[name])]
+    if problems:
+        raise ConfigError(problems)
+
+
+def _files(cfg: ChatLearnConfig, eng: _Engine) -> tuple[list[str], list[str]]:
+    """The train and eval files the run reads ([] where it reads none)."""
+    rt = cfg.runtime
+    with_train_data = ENGINES[eng.name].needs_train_data
+    wants_eval = rt.eval_episode_interval or rt.enable_eval_before_training or not with_train_data
+    train = _as_list(rt.data_path) if with_train_data else []
+    evals = _as_list(rt.eval_data_path) if rt.eval_data_path and wants_eval else []
+    return train, evals
+
+
+def _as_list(paths: str | Sequence[str] | None) -> list[str]:
+    """`runtime.data_path` is one path or a list (ChatLearn takes both)."""
+    if not paths:
+        return []
+    return [str(paths)] if isinstance(paths, str | os.PathLike) else [str(p) for p in paths]
+
+
+def _stat(path: str) -> tuple[str, int, int] | None:
+    """A file's identity for the cache: a file rewritten between two calls (same run or not) is read again."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return os.path.abspath(path), st.st_size, st.st_mtime_ns
+
+
+def _cache_key(cfg: ChatLearnConfig, eng: _Engine) -> Any:
+    """What the prepared data depends on; None (no caching) when a file cannot be stat'ed."""
+    producer = eng.plan.producer
+    args = cfg.models[producer].args_dict if producer in cfg.models else None
+    train, evals = _files(cfg, eng)
+    model_path = (args or {}).get("model_path")
+    files = [_stat(p) for p in [*train, *evals]]
+    if model_path:
+        files.append(_stat(os.path.join(str(model_path), "config.json")))
+    if any(f is None for f in files):
+        return None
+    return (eng.name, producer, type(eng.modules.get(producer)).__qualname__, repr(sorted((args or {}).items())),
+            tuple(train), tuple(evals), tuple(files))
+
+
+def _prepare_data(cfg: ChatLearnConfig, eng: _Engine) -> PreparedData:
+    """The run's records as `launch` loaded them (same files, same required fields), measured against the
+    producer's context while their places are still known."""
+    producer = eng.plan.producer
+    module = eng.modules[producer]
+    args = (cfg.models[producer].args_dict if producer in cfg.models else None) or {}
+    keys = record_keys(module, args)
+    train, evals = _files(cfg, eng)
+    placed = load_placed_records(train, keys) if train else []
+    eval_placed = load_placed_records(evals, keys) if evals else []
+    budget = _budget(cfg, producer, module) if placed or eval_placed else None
+    if budget is not None:
+        placed = _fit(placed, keys[0], budget)
+        eval_placed = _fit(eval_placed, keys[0], budget)
+    return PreparedData([rec for _, rec in placed], [rec for _, rec in eval_placed])
+
+
+def _budget(cfg: ChatLearnConfig, producer: str, module: Any) -> _Budget | None:
+    """The producer's prompt budget, or None where it cannot be known (a module without `model_path`, a model
+    config without a context length): then prompts are not measured."""
+    schema = getattr(module, "args_schema", None)
+    fields = getattr(schema, "model_fields", {})
+    if schema is None or "model_path" not in fields or producer not in cfg.models:
+        return None
+    args = schema.model_validate(cfg.models[producer].args_dict or {})
+    path = getattr(args, "model_path", None)
+    generates = "max_new_tokens" in fields
+    pairs = "chosen_key" in fields and "rejected_key" in fields
+    if not path or not (generates or pairs):
+        return None
+    # transformers on demand: `chatlearn config` and the other commands that import this module stay fast
+    from transformers import AutoConfig, AutoTokenizer
+
+    owner = f"models.{producer}.args_dict"
+    try:
+        model_config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"{owner}.model_path: cannot load the model config and tokenizer of {path!r}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    found = [(f, getattr(model_config, f, None)) for f in _CONTEXT_FIELDS]
+    found = [(f, v) for f, v in found if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if not found:
+        return None
+    field, context = found[0]
+    source = f"{field} of {os.path.join(str(path), 'config.json')}"
+    max_new = int(args.max_new_tokens) if generates else None
+    if max_new is not None and max_new >= context:
+        raise ConfigError(f"{owner}.max_new_tokens: {max_new} leaves no room for a prompt in the model's "
+                          f"context of {context} tokens ({source})")
+    return _Budget(tokenizer, context, source, max_new,
+                   (args.chosen_key, args.rejected_key) if pairs and not generates else (),
+                   getattr(args, "max_response_tokens", None) if pairs and not generates else None,
+                   bool(getattr(args, "truncate_long_prompts", False)), owner)
+
+
+def _fit(placed: list[tuple[str, dict[str, Any]]], prompt_key: str,
+         budget: _Budget) -> list[tuple[str, dict[str, Any]]]:
+    """The records whose prompts fit the budget; the others are an error naming the first (and how many), or
+    cut to fit (`truncate_long_prompts`)."""
+    if not placed:
+        return placed
+    tok = budget.tokenizer
+    lengths = [len(ids) for ids in tok([rec[prompt_key] for _, rec in placed])["input_ids"]]
+    reserves = _reserves(placed, budget)
+    over = [i for i, (n, r) in enumerate(zip(lengths, reserves, strict=True)) if n + r > budget.context]
+    if not over:
+        return placed
+    if not budget.truncate:
+        i = over[0]
+        where, limit = placed[i][0], budget.context - reserves[i]
+        more = f"; {len(over) - 1} more prompt(s) too long" if len(over) > 1 else ""
+        raise DataError(f"{where}: prompt of {lengths[i]} tokens is longer than the {limit} that fit "
+                        f"({_room(budget, reserves[i])}){more}; shorten it, or set "
+                        f"{budget.owner}.truncate_long_prompts=true to cut long prompts to fit (keeping their end)")
+    out = list(placed)
+    for i in over:
+        where, rec = placed[i]
+        cut = _keep_end(tok, rec[prompt_key], budget.context - reserves[i])
+        if cut is None:
+            raise DataError(f"{where}: no part of the prompt fits in {_room(budget, reserves[i])}")
+        out[i] = (where, {**rec, prompt_key: cut})
+    logger.warning("cut %d prompt(s) longer than the model's context allows to fit, keeping their end "
+                   "(truncate_long_prompts); the first: %s", len(over), placed[over[0]][0])
+    return out
+
+
+def _room(budget: _Budget, reserve: int) -> str:
+    """How the room for a prompt is made up, for messages."""
+    after = (f"max_new_tokens {budget.max_new_tokens}" if budget.max_new_tokens is not None
+             else f"its longer response and EOS, {reserve} tokens")
+    return f"the model's context of {budget.context} tokens, {budget.source}, minus {after}"
+
+
+def _reserves(placed: list[tuple[str, dict[str, Any]]], budget: _Budget) -> list[int]:
+    """Tokens that follow each prompt: max_new_tokens, or a pair's longer response plus EOS (each response
+    checked against max_response_tokens here, as the pair reader does later, so the error names the line)."""
+    if budget.max_new_tokens is not None:
+        return [budget.max_new_tokens] * len(placed)
+    tok = budget.tokenizer
+    longest = [0] * len(placed)
+    for key in budget.response_keys:
+        rows = tok([rec[key] for _, rec in placed], add_special_tokens=False)["input_ids"]
+        for i, ids in enumerate(rows):
+            n = len(ids) + 1  # the pair reader appends EOS
+            if budget.max_response_tokens is not None and n > budget.max_response_tokens:
+                raise DataError(f"{placed[i][0]}: field {key!r} is {n} tokens with EOS, more than "
+                                f"{budget.owner}.max_response_tokens ({budget.max_response_tokens})")
+            longest[i] = max(longest[i], n)
+    return longest
+
+
+def _keep_end(tok: Any, text: str, limit: int) -> str | None:
+    """The shortest end of `text` cut at a token boundary whose tokens (special ones included) are at most
+    `limit`, or None when not one content token fits. Re-tokenised to check: a cut can merge differently."""
+    room = limit - len(tok("")["input_ids"])  # BOS and the like
+    if room <= 0:
+        return None
+    fast = getattr(tok, "is_fast", False)
+    if fast:  # cut the text itself at a token's first character: nothing is decoded, nothing altered
+        marks = [a for a, _ in tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+    else:
+        marks = tok(text, add_special_tokens=False)["input_ids"]
+    keep = min(room, len(marks))
+    while keep > 0:
+        cut = text[marks[len(marks) - keep]:] if fast else tok.decode(marks[len(marks) - keep:])
+        excess = len(tok(cut)["input_ids"]) - limit
+        if excess <= 0:
+            return cut
+        keep -= excess
+    return None
