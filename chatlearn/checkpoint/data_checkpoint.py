@@ -6,6 +6,10 @@ Records are written to a temporary key and renamed, so a crash never leaves a ha
 real key; reading never uses Prefect's object decoder (which can import classes named in the file): the
 file is parsed as plain JSON and validated by pydantic, and every model checkpoint it points to has its
 checksums verified. A record that fails any of that is reported and skipped for the newest good one.
+
+A record that cannot be written (disk full, read-only, a file in the way) is a `RunError` naming the record
+and the OS error; its temporary file is removed and, if only the `latest` pointer failed, the new record too,
+so the previous record stays the resume point and `latest`.
 """
 
 import json
@@ -23,6 +27,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from chatlearn.checkpoint.model_checkpoint import CheckpointError, verify_model_checkpoint
 from chatlearn.utils.files import fsync_file
+from chatlearn.utils.storage import os_error_text, remove_quietly, writing
 
 logger = logging.getLogger("chatlearn.checkpoint")
 
@@ -59,19 +64,30 @@ class DataCheckpointStore:
         return f"iter_{iteration:07d}"
 
     def write(self, record: DataCheckpoint, crash_hook=None) -> str:
-        """Write `record` atomically, then point `latest` at it. Returns the record's file path."""
-        os.makedirs(self.path, exist_ok=True)
+        """Write `record` atomically, then point `latest` at it. Returns the record's file path.
+
+        A failed write raises `RunError` ("cannot write data checkpoint to <file>: [Errno 28] ...") and
+        leaves the previous record the newest and `latest`."""
         key = self.key(record.train_iteration)
-        store = self._store()
-        store.write(record.model_dump(mode="json"), key=key + ".tmp")
-        if crash_hook is not None:
-            crash_hook()
-        fsync_file(os.path.join(self.path, key + ".tmp"))
-        os.replace(os.path.join(self.path, key + ".tmp"), os.path.join(self.path, key))
-        store.write({"key": key, "episode": record.episode, "train_iteration": record.train_iteration},
-                    key=LATEST + ".tmp")
-        os.replace(os.path.join(self.path, LATEST + ".tmp"), os.path.join(self.path, LATEST))
-        return os.path.join(self.path, key)
+        file = os.path.join(self.path, key)
+        with writing("data checkpoint", file, cleanup=file + ".tmp"):
+            os.makedirs(self.path, exist_ok=True)
+            store = self._store()
+            store.write(record.model_dump(mode="json"), key=key + ".tmp")
+            if crash_hook is not None:
+                crash_hook()
+            fsync_file(file + ".tmp")
+            os.replace(file + ".tmp", file)
+        latest = os.path.join(self.path, LATEST)
+        try:
+            with writing("data checkpoint", latest, cleanup=latest + ".tmp"):
+                store.write({"key": key, "episode": record.episode, "train_iteration": record.train_iteration},
+                            key=LATEST + ".tmp")
+                os.replace(latest + ".tmp", latest)
+        except BaseException:
+            remove_quietly(file)  # resume reads the newest record: without a `latest` it must not be there
+            raise
+        return file
 
     def iterations(self) -> list[int]:
         """Train iterations of the records present, oldest first."""
@@ -134,6 +150,9 @@ class DataCheckpointStore:
                         shutil.rmtree(path, ignore_errors=True)
             except CheckpointError:
                 pass
-            os.remove(file)
+            try:
+                os.remove(file)
+            except OSError as exc:  # housekeeping: the run goes on (a write there would fail on its own)
+                logger.warning("could not remove the old data checkpoint %s: %s", file, os_error_text(exc))
         return drop
 

@@ -5,6 +5,11 @@ Every rank writes its shards into one temporary directory next to the target; af
 the manifest (SHA-256 of every file, written last) and renames the directory into place, so a checkpoint
 directory is complete or absent. DCP stores each tensor with its global shape and layout, so a checkpoint
 loads into any world size and any sharding, a single process included (``tests/test_parallel.py``).
+
+A write that fails is a `RunError` naming the checkpoint and the OS error (DCP's `CheckpointException`
+carries each rank's error; the first OS error among them is reported). Rank 0 removes the temporary
+directory. A rank that fails before a barrier leaves the others waiting there until the group's timeout, as
+any failed collective does.
 """
 
 import json
@@ -15,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -25,11 +31,15 @@ from torch.distributed.checkpoint.state_dict import (
 from chatlearn.checkpoint.model_checkpoint import (
     MANIFEST,
     capture_rng_state,
+    checkpoint_iteration,
     replace_dir,
     restore_rng_state,
+    torch_save,
     verify_model_checkpoint,
     write_manifest,
 )
+from chatlearn.utils.faults import fault_point
+from chatlearn.utils.storage import os_error_of, writing
 
 DCP_FORMAT = "torch-dcp"
 
@@ -70,22 +80,39 @@ def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     """Write model and optimizer shards, scheduler and every rank's RNG state at ``path`` (all ranks call)."""
     rank = _rank(group)
     tmp = f"{path}.tmp-dcp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier(group)
-    dcp.save(_state(model, optimizer), checkpoint_id=tmp, process_group=group)
-    with open(os.path.join(tmp, f"rng_state_{rank}.json"), "w") as f:
-        json.dump(capture_rng_state(), f)
-    if rank == 0 and scheduler is not None:
-        torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-    _barrier(group)
-    if rank == 0:
-        write_manifest(tmp, sorted(os.listdir(tmp)), format=DCP_FORMAT, world_size=_world_size(group),
-                       meta=meta or {})
-        replace_dir(tmp, path)
+    with writing("checkpoint", path, cleanup=tmp if rank == 0 else None):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        _barrier(group)
+        try:
+            dcp.save(_state(model, optimizer), checkpoint_id=tmp, process_group=group)
+        except CheckpointException as exc:
+            found = _os_error_in(exc)
+            if found is None:
+                raise
+            raise found from exc
+        fault_point("checkpoint_write", checkpoint_iteration(path))  # tests: the disk fills up halfway
+        with open(os.path.join(tmp, f"rng_state_{rank}.json"), "w") as f:
+            json.dump(capture_rng_state(), f)
+        if rank == 0 and scheduler is not None:
+            torch_save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+        _barrier(group)
+        if rank == 0:
+            write_manifest(tmp, sorted(os.listdir(tmp)), format=DCP_FORMAT, world_size=_world_size(group),
+                           meta=meta or {})
+            replace_dir(tmp, path)
     _barrier(group)
     return path
+
+
+def _os_error_in(exc: CheckpointException) -> OSError | None:
+    """The first OS error among the ranks' failures DCP gathered (each a (exception, traceback) pair)."""
+    for failure in exc.failures.values():
+        found = os_error_of(failure[0] if isinstance(failure, tuple) else failure)
+        if found is not None:
+            return found
+    return None
 
 
 def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,

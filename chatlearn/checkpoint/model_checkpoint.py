@@ -5,19 +5,28 @@ not exist; the manifest (written last) lists every file with its SHA-256, and lo
 file damaged later is reported instead of silently loaded. Nothing is unpickled on load: tensors come from
 safetensors, optimizer/scheduler state from `torch.load(weights_only=True)` (tensors and plain containers
 only), RNG state from JSON.
+
+A write that fails (disk full, read-only, a file in the way) is a `RunError` naming the checkpoint and the OS
+error, and the temporary directory is removed: the previous checkpoint stays the resume point. torch state goes
+through `torch_save`, so a full disk is an `OSError` with its errno rather than torch's bare "file write
+failed"; safetensors' own error carries the errno in its text (`chatlearn.utils.storage`).
 """
 
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from chatlearn.utils.faults import fault_point
 from chatlearn.utils.files import fsync_file
+from chatlearn.utils.finite import check_finite_tensors
+from chatlearn.utils.storage import writing
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -65,25 +74,56 @@ def _tuplify(value: Any) -> Any:
 def save_model_checkpoint(path: str, weights: dict[str, torch.Tensor], *, optimizer: dict | None = None,
                           scheduler: dict | None = None, rng: dict | None = None,
                           meta: dict[str, Any] | None = None) -> str:
-    """Write a complete checkpoint at `path` atomically (replacing an older one there)."""
+    """Write a complete checkpoint at `path` atomically (replacing an older one there).
+
+    A failed write raises `RunError` ("cannot write checkpoint to <path>: [Errno 28] ...") and leaves no
+    temporary directory; `path` itself is untouched unless the final rename succeeded."""
+    # a NaN or infinite tensor is a RunError before anything is written: a diverged model must not become the
+    # checkpoint a re-run resumes from (the trainers stop NaN before the optimizer steps; this catches any path)
+    check_finite_tensors(weights, f"checkpoint {path} not written: weight")
+    check_finite_tensors(optimizer, f"checkpoint {path} not written: optimizer state")
     tmp = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    files: list[str] = []
     cpu_weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-    save_file(cpu_weights, os.path.join(tmp, "model.safetensors"))
-    files.append("model.safetensors")
-    for name, obj in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
-        if obj is not None:
-            torch.save(obj, os.path.join(tmp, name))
-            files.append(name)
-    if rng is not None:
-        with open(os.path.join(tmp, "rng_state.json"), "w") as f:
-            json.dump(rng, f)
-        files.append("rng_state.json")
-    write_manifest(tmp, files, meta=meta or {})
-    replace_dir(tmp, path)
+    with writing("checkpoint", path, cleanup=tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        files: list[str] = []
+        save_file(cpu_weights, os.path.join(tmp, "model.safetensors"))
+        files.append("model.safetensors")
+        fault_point("checkpoint_write", checkpoint_iteration(path))  # tests: the disk fills up halfway
+        for name, obj in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
+            if obj is not None:
+                torch_save(obj, os.path.join(tmp, name))
+                files.append(name)
+        if rng is not None:
+            with open(os.path.join(tmp, "rng_state.json"), "w") as f:
+                json.dump(rng, f)
+            files.append("rng_state.json")
+        write_manifest(tmp, files, meta=meta or {})
+        replace_dir(tmp, path)
     return path
+
+
+def torch_save(obj: Any, path: str) -> None:
+    """`torch.save` that reports a failed write as the OSError it is.
+
+    Given a path, torch writes in C++ and a full disk reads "file write failed" or "unexpected pos"; given our
+    file object, the OSError is raised, but torch's cleanup then raises its "unexpected pos" RuntimeError with
+    the OSError only as its context. That OSError is what is raised here."""
+    with open(path, "wb") as f:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as exc:
+            cause = exc.__context__
+            if isinstance(cause, OSError) and cause.errno is not None:
+                raise OSError(cause.errno, cause.strerror) from exc
+            raise
+
+
+def checkpoint_iteration(path: str) -> int:
+    """The trainer iteration in a checkpoint directory's name (`.../iter_0000004` -> 4), -1 for other names."""
+    m = re.search(r"iter_(\d+)$", os.path.normpath(path))
+    return int(m.group(1)) if m else -1
 
 
 def write_manifest(tmp: str, files: list[str], **fields: Any) -> None:
@@ -105,7 +145,11 @@ def replace_dir(tmp: str, path: str) -> None:
     if os.path.exists(path):
         old = f"{path}.old-{os.getpid()}"
         os.replace(path, old)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            os.replace(old, path)  # the previous one stays where it was
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)

@@ -18,6 +18,7 @@ from chatlearn.config import ChatLearnConfig
 from chatlearn.utils.faults import crash_point
 
 __all__ = [
+    "checkpoint_dirs",
     "commit_data_checkpoint",
     "data_checkpoint_dir",
     "load_model_checkpoints",
@@ -33,6 +34,18 @@ def data_checkpoint_dir(cfg: ChatLearnConfig) -> str:
     """`runtime.data_checkpoint_path`, by default `run_dir/data_checkpoints`."""
     rt = cfg.runtime
     return os.path.abspath(rt.data_checkpoint_path or os.path.join(rt.run_dir, "data_checkpoints"))
+
+
+def checkpoint_dirs(cfg: ChatLearnConfig) -> list[tuple[str, str]]:
+    """(directory, what) of every directory this config's checkpoints go to, [] when it saves none: the
+    model checkpoints' `run_dir/checkpoints` (`BaseModule.checkpoint_dir` puts each model's under it) and the
+    data checkpoint directory. The run checks them up front (`chatlearn.runtime.run_lock.lock_run_dir`), so a
+    path that is a file or read-only fails before anything starts rather than at the first checkpoint."""
+    rt = cfg.runtime
+    if not rt.save_episode_interval:
+        return []
+    return [(os.path.join(rt.run_dir, "checkpoints"), "model checkpoint directory"),
+            (data_checkpoint_dir(cfg), "data checkpoint directory")]
 
 
 def resume_point(cfg: ChatLearnConfig) -> DataCheckpoint | None:

@@ -1,0 +1,115 @@
+"""One run per run directory: `run_dir/.lock` (fcntl.flock) refuses a second run with the first one's pid, start
+time and host; the same process may take it again (the CLI, then its train flow); a SIGKILLed holder leaves
+no stale lock; processes the holder starts (Prefect server, Ray) do not inherit it."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from chatlearn.runtime.run_lock import lock_run_dir, read_holder
+from chatlearn.utils.errors import RunError
+from tests.conftest import REPO
+
+TAKE = ("import sys, time\nfrom chatlearn.runtime.run_lock import lock_run_dir\n"
+        "lock_run_dir(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(float(sys.argv[2]))\n")
+
+
+def take(run_dir, hold: float = 0.0) -> subprocess.CompletedProcess:
+    """Another process trying to take the lock (and holding it for `hold` seconds)."""
+    return subprocess.run([sys.executable, "-c", TAKE, str(run_dir), str(hold)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def wait_for_holder(run_dir, pid: int, proc: subprocess.Popen, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        holder = read_holder(run_dir)
+        if holder is not None and holder["pid"] == pid:
+            return holder
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"{run_dir}/.lock never named pid {pid}")
+
+
+def test_a_second_process_is_refused_with_the_holders_pid_time_and_host(tmp_path):
+    run_dir = tmp_path / "out" / "exp"
+    with lock_run_dir(run_dir):
+        holder = read_holder(run_dir)
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+        refused = take(run_dir)
+        assert refused.returncode == 1
+        assert (f"RunError: run directory {run_dir} is in use by pid {os.getpid()} (started {holder['started']} "
+                f"on host {socket.gethostname()}); wait for it or use another runtime.exp_name") in refused.stderr
+        with lock_run_dir(run_dir):  # the same process again (the CLI, then its train flow): no deadlock
+            pass
+        assert take(run_dir).returncode == 1  # still held by the outer holder
+    assert take(run_dir).returncode == 0
+    assert read_holder(run_dir)["pid"] != os.getpid()
+
+
+def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", TAKE, str(tmp_path), "60"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_holder(tmp_path, proc.pid, proc)
+        with pytest.raises(RunError, match=f"in use by pid {proc.pid} "):
+            lock_run_dir(tmp_path)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with lock_run_dir(tmp_path):  # the kernel dropped the dead process's lock; its details are overwritten
+        assert read_holder(tmp_path)["pid"] == os.getpid()
+
+
+def test_children_of_the_holder_do_not_inherit_the_lock(tmp_path):
+    lock = lock_run_dir(tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], close_fds=False)
+    try:
+        lock.release()
+        assert take(tmp_path).returncode == 0  # the child lives on without holding it
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.integration
+def test_a_second_train_of_the_same_run_directory_is_refused(prefect_api, tiny_model_dir, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+               PREFECT_API_URL=PREFECT_API_URL.value())
+    for name in ("CHATLEARN_CRASH_AT", "CHATLEARN_FAULT_AT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "chatlearn.cli", "train", "runtime.num_episode=2", "runtime.sample_per_episode=32",
+           "runtime.generation_batch_size=16", "runtime.train_micro_batch_size=8",
+           "runtime.train_global_batch_size=16", "runtime.eval_episode_interval=0",
+           "runtime.enable_eval_before_training=false"]
+    run_dir = tmp_path / "default"
+    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        holder = wait_for_holder(run_dir, first.pid, first)
+        t0 = time.monotonic()
+        second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        refused_in = time.monotonic() - t0
+        out, err = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert second.returncode == 1, second.stderr[-3000:]
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"chatlearn: error: run directory {run_dir} is in use by pid {first.pid} (started {holder['started']} on "
+        f"host {socket.gethostname()}); wait for it or use another runtime.exp_name")
+    assert "Prefect UI" not in second.stderr and refused_in < 60, (refused_in, second.stderr)  # before Prefect
+    assert first.returncode == 0, err[-3000:]
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 2  # the first run's episodes only
+    assert read_holder(run_dir) is None  # released at the end (the file is emptied)
