@@ -91,13 +91,14 @@ SAMPLES = [{"sample_id": 11, "prompt": "max 1 2 ?", "response": "2", "answer": "
 
 def test_rule_reward_errors_name_the_sample():
     assert score_samples(max_digit_reward, SAMPLES, 5, "reward") == [1.0, pytest.approx(0.5 * (1 - 6 / 9))]
-    with pytest.raises(RewardError, match=r"reward: raised KeyError: 'answer' on sample 11 \(prompt 'max 1 2 \?'\)"):
+    expected = r"reward raised KeyError: 'answer' for sample_id 11 \(prompt \"max 1 2 \?\"\)"
+    with pytest.raises(RewardError, match=expected):
         score_samples(_raises, SAMPLES, 5, "reward")
     for bad in (float("nan"), "1.0", None, True):
-        with pytest.raises(RewardError, match=r"returned .* on sample 11 .*expected a finite number"):
+        with pytest.raises(RewardError, match=r"returned .* for sample_id 11 .*expected a finite number"):
             score_samples(lambda s, bad=bad: bad, SAMPLES, 5, "reward")
     t0 = time.perf_counter()
-    with pytest.raises(RewardError, match=r"took longer than timeout_s=0.5s on sample 11"):
+    with pytest.raises(RewardError, match=r"took longer than timeout_s=0.5s for sample_id 11"):
         score_samples(_slow, SAMPLES, 0.5, "reward")
     assert time.perf_counter() - t0 < 5
 

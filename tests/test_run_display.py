@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from chatlearn.runtime.profiling import StageMarks, nvtx_range, nvtx_works, stage_of, trace_name
-from chatlearn.runtime.reporting import CURVE_DPI, CURVE_SIZE, _json_safe, curves_png, table_rows, write_curves
+from chatlearn.runtime.reporting import CURVE_DPI, CURVE_SIZE, curves_png, json_safe, table_rows, write_curves
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WIDTH, HEIGHT = round(CURVE_SIZE[0] * CURVE_DPI), round(CURVE_SIZE[1] * CURVE_DPI)
@@ -60,7 +60,7 @@ def test_curves_png_is_rewritten_each_episode(tmp_path):
 def test_the_table_is_json_without_nan():
     rows = table_rows([{"episode": 0, "reward_mean": float("nan"), "kl_mean": float("inf"), "extra": 1}])
     assert rows[0]["episode"] == 0 and "extra" not in rows[0]
-    safe = _json_safe(rows)
+    safe = json_safe(rows)
     assert safe[0]["reward_mean"] is None and safe[0]["kl_mean"] is None
     json.loads(json.dumps(safe, allow_nan=False))
 

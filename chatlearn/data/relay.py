@@ -26,7 +26,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from chatlearn.utils.errors import RunError
 from chatlearn.utils.files import fsync_dir, fsync_file
+from chatlearn.utils.finite import one_line
 from chatlearn.utils.imports import import_callable
 
 TENSORS_FILE = "relay.safetensors"
@@ -49,6 +51,12 @@ RelayHook = Callable[[list[EpisodeRelayBuffer]], list[dict]]
 
 class RelayCheckpointError(RuntimeError):
     """A relay checkpoint on disk is unreadable or torn (its two files come from different saves)."""
+
+
+class RelayHookError(RunError, TypeError):
+    """The relay hook raised or returned something that is not a list of sample dicts. A RunError (the CLI
+    prints one line naming the hook; the stage adds the episode), and a TypeError as the wrong return type has
+    always been."""
 
 
 def _hook_name(fn: Any) -> str:
@@ -116,15 +124,19 @@ class RelayBuffer:
         self._buffers.append(EpisodeRelayBuffer(episode_id, list(samples)))
         self._trim()
         assert self.relay_sample_fn is not None  # guaranteed by __init__ when enabled
-        result = self.relay_sample_fn(list(self._buffers))
         name = _hook_name(self.relay_sample_fn)
+        try:
+            result = self.relay_sample_fn(list(self._buffers))
+        except Exception as exc:  # user code: one line naming the hook; its traceback goes to the run's log
+            raise RelayHookError(f"relay hook {name} raised {type(exc).__name__}: {one_line(exc)} (episodes "
+                                 f"{self.episodes} in the window)") from exc
         if not isinstance(result, list):
-            raise TypeError(f"relay_sample_fn {name} must return a list of sample dicts, got {type(result).__name__}")
+            raise RelayHookError(f"relay hook {name} must return a list of sample dicts, got "
+                                 f"{type(result).__name__}")
         for i, sample in enumerate(result):
             if not isinstance(sample, dict):
-                raise TypeError(
-                    f"relay_sample_fn {name} must return a list of sample dicts; item {i} is a {type(sample).__name__}"
-                )
+                raise RelayHookError(f"relay hook {name} must return a list of sample dicts; item {i} is a "
+                                     f"{type(sample).__name__}")
         return result
 
     # ------------------------------------------------------------------ checkpointing
@@ -286,6 +298,7 @@ __all__ = [
     "EpisodeRelayBuffer",
     "RelayBuffer",
     "RelayCheckpointError",
+    "RelayHookError",
     "RelayHook",
     "concat_all",
     "latest_only",

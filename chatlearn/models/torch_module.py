@@ -21,6 +21,7 @@ from chatlearn.models.base_module import BaseModule
 from chatlearn.models.parallel import clip_grad_norm, full_tensor, load_full_tensor, parallelize
 from chatlearn.models.pipeline import PipelinedLM, gather_stages
 from chatlearn.utils.devices import fake_gpus
+from chatlearn.utils.finite import require_finite
 
 
 class TorchModule(BaseModule):
@@ -99,13 +100,20 @@ class TorchModule(BaseModule):
         return stats if self.parallel is None else self.parallel.sum_stats(stats, keys)
 
     def clip_gradients(self, max_norm: float) -> float:
-        """Finish the gradients (sum over data-parallel ranks where the wrapper did not) and clip them."""
+        """Finish the gradients (sum over data-parallel ranks where the wrapper did not) and clip them.
+
+        A gradient norm that is not finite is a RunError here, before any optimizer can step on it (clipping
+        by a NaN norm makes every gradient NaN, and the step every weight). The norm is the replica's global
+        one, the same on all its ranks, so they all stop together."""
         assert self.model is not None
         if self.parallel is None:
-            return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        self.parallel.finish_grads(self.model)
-        pp_group = self.parallel.dim_groups.get("pp") if self.pipelined else None
-        return clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm, pp_group)
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        else:
+            self.parallel.finish_grads(self.model)
+            pp_group = self.parallel.dim_groups.get("pp") if self.pipelined else None
+            norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm, pp_group)
+        require_finite(norm, f"{self.name}: gradient norm", "; the optimizer step was not taken")
+        return norm
 
     # -- parameter sync -------------------------------------------------------------------------------------
     def sync_sources(self) -> dict[str, torch.Tensor]:

@@ -6,6 +6,8 @@ import torch
 
 from chatlearn.data.batch import split_batch
 from chatlearn.data.relay import load_hook
+from chatlearn.utils.errors import RunError
+from chatlearn.utils.finite import one_line
 
 __all__ = ["default_eval_metrics", "eval_metrics", "eval_results"]
 
@@ -27,8 +29,21 @@ def default_eval_metrics(results: list[dict[str, Any]], context: dict[str, Any])
 
 
 def eval_metrics(results: list[dict[str, Any]], context: dict[str, Any], hook: str | None) -> dict[str, Any]:
-    """The default metrics, updated with what `runtime.eval_post_process_fn` (if any) returns."""
+    """The default metrics, updated with what `runtime.eval_post_process_fn` (if any) returns.
+
+    The hook is user code: when it raises or returns something other than a dict of metrics by name, that is a
+    RunError naming the hook (one line on the terminal; its traceback goes to the run's log), not a traceback
+    from inside the eval stage. A non-finite metric it returns is not an error: nothing trains on it, and
+    `metrics.jsonl` writes it as null."""
     metrics = default_eval_metrics(results, context)
     if hook:
-        metrics.update(load_hook(hook)(results, context))
+        try:
+            extra = load_hook(hook)(results, context)
+        except Exception as exc:
+            raise RunError(f"eval hook {hook} raised {type(exc).__name__}: {one_line(exc)} (on {len(results)} eval "
+                           "results)") from exc
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise RunError(f"eval hook {hook} must return a dict of metrics by name, got "
+                           f"{one_line(repr(extra), 80)}")
+        metrics.update(extra)
     return metrics

@@ -18,6 +18,7 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from tqdm import tqdm
 
 from chatlearn.config import ChatLearnConfig
+from chatlearn.utils.storage import writing
 
 # Column order of the metrics line and the artifact table (keys that are absent are skipped).
 LINE_KEYS = ["reward_mean", "eval_reward_mean", "eval_exact_match", "eval_preference_accuracy", "kl_mean",
@@ -45,8 +46,9 @@ class EpisodeReporter:
         self.path = run_dir / "metrics.jsonl"
         self.rows = [r for r in self._read_rows() if r.get("episode", -1) < first_episode]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in self.rows))
-        os.replace(tmp, self.path)
+        with writing("metrics", self.path, cleanup=tmp):  # a full disk: one RunError naming the file
+            tmp.write_text("".join(json_line(r) + "\n" for r in self.rows))
+            os.replace(tmp, self.path)
         self.bar = tqdm(total=cfg.runtime.num_episode, initial=first_episode, desc="episodes", unit="ep",
                         file=sys.stderr, dynamic_ncols=True)
 
@@ -66,8 +68,9 @@ class EpisodeReporter:
 
     def record(self, metrics: dict[str, Any]) -> None:
         row = {k: v for k, v in metrics.items() if k not in ("eval_examples",)}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+        # a row cut short by a full disk is dropped by the next run's reader (`_read_rows`)
+        with writing("metrics", self.path), self.path.open("a") as f:
+            f.write(json_line(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
         self.rows.append(row)
@@ -151,20 +154,29 @@ def write_curves(rows: list[dict[str, Any]], path: Path) -> bytes:
     returns the PNG's bytes."""
     png = curves_png(rows)
     tmp = path.with_suffix(".png.tmp")
-    tmp.write_bytes(png)
-    os.replace(tmp, path)
+    with writing("the curves", path, cleanup=tmp):
+        tmp.write_bytes(png)
+        os.replace(tmp, path)
     return png
 
 
-def _json_safe(item: Any) -> Any:
+def json_safe(item: Any) -> Any:
     """NaN and infinities become None, as Prefect's table artifact does for NaN: the data is stored as JSON."""
-    if isinstance(item, list):
-        return [_json_safe(v) for v in item]
+    if isinstance(item, list | tuple):
+        return [json_safe(v) for v in item]
     if isinstance(item, dict):
-        return {k: _json_safe(v) for k, v in item.items()}
+        return {k: json_safe(v) for k, v in item.items()}
     if isinstance(item, float) and not math.isfinite(item):
         return None
     return item
+
+
+def json_line(row: dict[str, Any]) -> str:
+    """One line of `metrics.jsonl`: strict JSON, which Python's default writer is not (it writes a bare
+    ``NaN``, which other readers reject). The run stops on a non-finite reward, advantage, loss or gradient
+    norm (`chatlearn.utils.finite`); any other non-finite number (an eval hook's metric, a diagnostic) is
+    written as null. Objects JSON does not know are written as their str()."""
+    return json.dumps(json_safe(row), default=str, allow_nan=False)
 
 
 class RunArtifacts:
@@ -179,7 +191,7 @@ class RunArtifacts:
 
     def update(self, rows: list[dict[str, Any]]) -> None:
         """Show ``rows`` (every episode so far): rewrite `curves.png` and refresh both artifacts."""
-        table = _json_safe(table_rows(rows))
+        table = json_safe(table_rows(rows))
         png = write_curves(rows, self.curves_path)
         episodes = f"{len(rows)} episode{'s' if len(rows) != 1 else ''}"
         markdown = (f"![curves](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"

@@ -30,6 +30,10 @@ class PairArgs(HFModelArgs):
     chosen_key: str = Field("chosen", description="field of a pair record that holds the preferred response")
     rejected_key: str = Field("rejected", description="field of a pair record that holds the other response")
     max_response_tokens: int = Field(256, gt=0, description="longer responses are an error naming the record")
+    truncate_long_prompts: bool = Field(
+        False, description="a prompt that with its longer response (and EOS) exceeds the model's context "
+        "(max_position_embeddings) is cut to fit, keeping its end; default: an error naming its file and line, "
+        "found before anything starts")
 
 
 def rejected_view(batch: dict) -> dict:
@@ -146,7 +150,7 @@ class DPOPolicyTrainer(PPOPolicyTrainer):
             stats["reward_accuracy"] += st["reward_accuracy"] * share
             stats["reward_margin"] += st["reward_margin"] * share
         stats = self.sum_stats(stats, list(stats))
-        stats.update(optimizer_step(self, a.max_grad_norm, "policy"))
+        stats.update(optimizer_step(self, a.max_grad_norm, "policy", losses=stats))
         return stats
 
     @torch.no_grad()
@@ -207,5 +211,5 @@ class OnlineDPOPolicyTrainer(PPOPolicyTrainer):
             stats["pair_accuracy"] += st["pair_accuracy"] * share
             stats["margin"] += st["margin"] * share
         stats = self.sum_stats(stats, ["dpo_loss", "pair_accuracy", "margin"])
-        stats.update(optimizer_step(self, a.max_grad_norm, "policy", skip=not total))
+        stats.update(optimizer_step(self, a.max_grad_norm, "policy", skip=not total, losses=stats))
         return stats

@@ -87,5 +87,5 @@ class GRPOPolicyTrainer(PPOPolicyTrainer):
 
         stats.update(self.each_micro_batch(data_list, loss_of))
         stats = self.sum_stats(stats, list(stats))
-        stats.update(optimizer_step(self, a.max_grad_norm, "policy"))
+        stats.update(optimizer_step(self, a.max_grad_norm, "policy", losses=stats))
         return stats

@@ -71,6 +71,7 @@ from chatlearn.checkpoint.model_checkpoint import (
 )
 from chatlearn.config.model import LoraConfig
 from chatlearn.models.parallel import full_tensor
+from chatlearn.utils.finite import check_finite_tensors
 
 __all__ = [
     "ADAPTER_NAME",
@@ -457,6 +458,8 @@ class LoraTrainerMixin:
             full = {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}
             if self.rank != 0:
                 return path
+        # NaN weights are a RunError, nothing is written: the exported policy is what users deploy
+        check_finite_tensors(full if full is not None else self.model.state_dict(), f"{path} not written: weight")
         tmp = f"{path}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)

@@ -21,6 +21,10 @@ class PolicyArgs(HFModelArgs):
     top_k: int = Field(0, ge=-1, description="sample from the k most likely tokens (0 or vLLM's -1: all)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     prompt_key: str = Field("prompt", description="field of a data record that holds the prompt text")
+    truncate_long_prompts: bool = Field(
+        False, description="a prompt longer than the model's context (max_position_embeddings) minus max_new_tokens "
+        "is cut to fit, keeping its end (as TRL cuts prompts from the left); default: such a prompt is an error "
+        "naming its file and line, found before anything starts")
     eval_do_sample: bool = Field(False, description="sample during eval (default greedy)")
     num_inference_per_prompt: int = Field(
         1, ge=1, description="responses sampled per prompt, kept together as a group (GRPO, online DPO); "

@@ -29,6 +29,7 @@ from chatlearn.models.hf.common import (
 from chatlearn.models.hf.lora import LoraTrainerMixin
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
 from chatlearn.models.pipeline import pipeline_train
+from chatlearn.utils.finite import require_finite
 
 
 class OptimArgs(HFModelArgs):
@@ -84,10 +85,19 @@ def _scheduler(optimizer: torch.optim.Optimizer, args: OptimArgs, rt: RuntimeCon
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, args=args, total=total))
 
 
-def optimizer_step(module: HFModule, max_grad_norm: float, prefix: str, skip: bool = False) -> dict[str, float]:
+def optimizer_step(module: HFModule, max_grad_norm: float, prefix: str, skip: bool = False,
+                   losses: dict[str, float] | None = None) -> dict[str, float]:
     """The end of every trainer's step: clip the gradients, step the optimizer (not when `skip`: the batch had
     nothing to learn from) and the LR schedule. Returns `<prefix>_lr` (the rate this step used) and
-    `<prefix>_grad_norm` (0 when skipped)."""
+    `<prefix>_grad_norm` (0 when skipped).
+
+    Every `*loss` of ``losses`` (the step's statistics, already summed over the data-parallel ranks, so all
+    ranks agree) must be finite, and so must the gradient norm (`clip_gradients` checks it): a NaN that reached
+    the optimizer would make every weight NaN, so it is a RunError before the step, with the weights as they
+    were."""
+    for key, value in (losses or {}).items():
+        if key.endswith("loss"):
+            require_finite(value, f"{module.name}: {key}", "; the optimizer step was not taken")
     grad_norm = 0.0 if skip else module.clip_gradients(max_grad_norm)
     if not skip:
         module.optimizer.step()
@@ -144,7 +154,7 @@ class PPOPolicyTrainer(LoraTrainerMixin, HFModule):
 
         stats.update(self.each_micro_batch(data_list, loss_of))
         stats = self.sum_stats(stats, list(stats))
-        stats.update(optimizer_step(self, self.args.max_grad_norm, "policy"))
+        stats.update(optimizer_step(self, self.args.max_grad_norm, "policy", losses=stats))
         return stats
 
     def each_micro_batch(self, data_list: list[dict], loss_of: Any) -> dict[str, float]:
@@ -212,6 +222,6 @@ class PPOValueTrainer(HFModule):
             stats["value_loss"] += float(loss.detach()) * w
             stats["vf_clipfrac"] += st["vf_clipfrac"] * w
         stats = self.sum_stats(stats, list(stats))
-        stats.update(optimizer_step(self, self.args.max_grad_norm, "value"))
+        stats.update(optimizer_step(self, self.args.max_grad_norm, "value", losses=stats))
         return stats
 

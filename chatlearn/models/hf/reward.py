@@ -5,14 +5,16 @@ PPO's (KL-penalized per-token rewards and GAE advantages/returns) when the upstr
 and values; GRPO's (group-normalised advantages, one per response) when they carry prompt groups and no
 values (no critic). Whitening of PPO advantages happens in the trainer, over each global batch.
 
-A rule function is called by :func:`score_samples`, which bounds each call by a timeout and names the sample
-when the function raises or returns something that is not a finite number. In a run the rule is not called
-in the reward's actor: the score and eval stages fan the batches out as Prefect tasks on Ray
+A rule function is called by :func:`score_samples`, which bounds each call by a timeout and names the hook and
+the sample when the function raises or returns something that is not a finite number. In a run the rule is not
+called in the reward's actor: the score and eval stages fan the batches out as Prefect tasks on Ray
 (``flows/stage_tasks.py``) and hand the scores to the actor, which only builds the experience.
+
+A score or an advantage that is not finite (a reward model's NaN, a policy's NaN log-probs in the KL penalty)
+is a `RunError` naming the sample here, where it is made: trained on, it would turn every weight into NaN.
 """
 
 import concurrent.futures
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,8 @@ from chatlearn.algorithms.grpo import group_advantages_by_id
 from chatlearn.data.batch import split_batch
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, load_tokenizer
+from chatlearn.utils.errors import RunError
+from chatlearn.utils.finite import batch_sample, describe_sample, nonfinite_rows, nonfinite_summary, one_line
 from chatlearn.utils.imports import import_callable
 
 
@@ -57,23 +61,34 @@ class ModelRewardArgs(PPOExperienceArgs, HFModelArgs):
     pass
 
 
-class RewardError(RuntimeError):
-    """A rule reward function that failed, timed out or returned something unusable, on a named sample."""
+class RewardError(RunError):
+    """A rule reward function that failed, timed out or returned something unusable, on a named sample (a
+    RunError: the CLI prints it as one line, the traceback of the hook goes to the run's log)."""
 
 
-def _describe(sample: dict) -> str:
-    sid = sample.get("sample_id")
-    prompt = str(sample.get("prompt", ""))[:60]
-    return f"sample {sid}" + (f" (prompt {prompt!r})" if prompt else "")
+def hook_name(spec: str) -> str:
+    """How errors name a rule reward function: ``reward hook package.module:function``."""
+    return f"reward hook {spec}"
 
 
-def score_samples(fn: Callable[[dict], Any], samples: list[dict], timeout_s: float, where: str) -> list[float]:
-    """``fn(sample)`` for each sample, each call bounded by ``timeout_s``; a RewardError names the sample.
+def score_samples(fn: Callable[[dict], Any], samples: list[dict], timeout_s: float, where: str,
+                  episode_start: int | None = None) -> list[float]:
+    """``fn(sample)`` for each sample, each call bounded by ``timeout_s``; a RewardError names ``where`` (the
+    hook, see `hook_name`) and the sample, e.g. ``reward hook mod:fn raised ValueError: boom for sample 3
+    (prompt "max 3 7 1 ?")``.
 
-    The call runs in a helper thread so a stuck function becomes an error within the timeout (the thread
-    itself cannot be killed; the run stops anyway). Non-numbers and non-finite numbers are errors too: a NaN
-    reward would otherwise train on silently.
+    ``episode_start`` (the ``sample_id`` of the episode's first sample, 0 for the eval set) lets the error
+    name the sample by its index in the episode; without it the ``sample_id`` names it. The call runs in a
+    helper thread so a stuck function becomes an error within the timeout (the thread itself cannot be
+    killed; the run stops anyway). Non-numbers and non-finite numbers are errors too: a NaN reward would
+    otherwise train on silently.
     """
+
+    def describe(sample: dict) -> str:
+        sid = sample.get("sample_id")
+        index = sid - episode_start if episode_start is not None and isinstance(sid, int) else None
+        return describe_sample(sample, index)
+
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
     out: list[float] = []
     try:
@@ -82,12 +97,14 @@ def score_samples(fn: Callable[[dict], Any], samples: list[dict], timeout_s: flo
             try:
                 value = future.result(timeout=timeout_s)
             except concurrent.futures.TimeoutError:
-                raise RewardError(f"{where}: took longer than timeout_s={timeout_s:g}s on {_describe(sample)}") \
+                raise RewardError(f"{where} took longer than timeout_s={timeout_s:g}s for {describe(sample)}") \
                     from None
             except Exception as exc:
-                raise RewardError(f"{where}: raised {type(exc).__name__}: {exc} on {_describe(sample)}") from exc
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise RewardError(f"{where}: returned {value!r} on {_describe(sample)}; expected a finite number")
+                raise RewardError(f"{where} raised {type(exc).__name__}: {one_line(exc)} for {describe(sample)}") \
+                    from exc
+            if isinstance(value, bool) or not isinstance(value, int | float) or nonfinite_summary(value):
+                raise RewardError(f"{where} returned {one_line(repr(value), 80)} for {describe(sample)}; expected "
+                                  "a finite number")
             out.append(float(value))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -103,8 +120,11 @@ class _ExperienceMixin:
     """Scores -> KL-penalized rewards -> advantages/returns, for any reward module."""
 
     args: PPOExperienceArgs
+    name: str
 
     def make_experience(self, data: dict, scores: torch.Tensor) -> dict:
+        # before the clip: clamp turns an infinite score into a finite +-score_clip and would hide it
+        self._check_finite(data, scores.float(), "score")
         scores = scores.float().clamp(-self.args.score_clip, self.args.score_clip)
         out: dict[str, Any] = {"scores": scores}
         if "group_id" in data and "values" not in data:
@@ -120,7 +140,34 @@ class _ExperienceMixin:
             adv, ret = estimator(rewards=rewards, values=data["values"], mask=mask, gamma=self.args.gamma,
                                  lam=self.args.lam)
             out.update(rewards=rewards, kl=kl, advantages=adv, returns=ret)
+        if "advantages" in out:
+            self._check_advantages(data, out)
         return out
+
+    def _check_finite(self, data: dict, values: torch.Tensor, what: str, mask: torch.Tensor | None = None,
+                      hint: str = "") -> None:
+        """A RunError naming the first sample whose ``values`` (a row per sample; only where ``mask`` is on,
+        when it has their shape) hold a NaN or an infinity."""
+        rows = nonfinite_rows(values, mask)
+        if not rows:
+            return
+        row = values[rows[0]]
+        if mask is not None and mask.shape == values.shape:
+            row = row[mask[rows[0]].bool()]
+        more = f" and {len(rows) - 1} more sample(s)" if len(rows) > 1 else ""
+        raise RunError(f"{self.name}: non-finite {what} ({nonfinite_summary(row)}) for "
+                       f"{describe_sample(batch_sample(data, rows[0]))}{more}{hint}")
+
+    def _check_advantages(self, data: dict, out: dict) -> None:
+        """Advantages (and returns) must be finite; when they are not, name the input that made them so."""
+        mask = data.get("response_mask")
+        for key, what in (("logprobs", "policy log-probs"), ("ref_logprobs", "reference log-probs"),
+                          ("values", "values")):
+            if isinstance(data.get(key), torch.Tensor):
+                self._check_finite(data, data[key], what, mask, "; its advantages would be too")
+        for key in ("advantages", "returns"):
+            if isinstance(out.get(key), torch.Tensor):
+                self._check_finite(data, out[key], key, mask)
 
 
 class RuleReward(_ExperienceMixin, BaseModule):
@@ -135,8 +182,7 @@ class RuleReward(_ExperienceMixin, BaseModule):
         """The rule's scores; those the fanned-out reward tasks computed already (``data["scores"]``) win."""
         if "scores" in data:
             return torch.as_tensor(data["scores"], dtype=torch.float32)
-        where = f"{self.name} reward_fn {self.args.reward_fn}"
-        values = score_samples(self.reward_fn, text_samples(data), self.args.timeout_s, where)
+        values = score_samples(self.reward_fn, text_samples(data), self.args.timeout_s, hook_name(self.args.reward_fn))
         return torch.tensor(values, dtype=torch.float32)
 
     def forward_step(self, data, iteration):
@@ -163,7 +209,9 @@ class ModelReward(_ExperienceMixin, HFModule):
     def score(self, data: dict) -> torch.Tensor:
         texts = [p + r for p, r in zip(data["prompt"], data["response"], strict=True)]
         enc = self.tokenizer(texts, padding=True, return_tensors="pt").to(self.device)
-        return self.model(**enc).logits[:, 0].float().cpu()
+        scores = self.model(**enc).logits[:, 0].float().cpu()
+        self._check_finite(data, scores, "reward model score")  # eval scores too: eval metrics average them
+        return scores
 
     def forward_step(self, data, iteration):
         return self.make_experience(data, self.score(data))

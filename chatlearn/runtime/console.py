@@ -1,0 +1,104 @@
+"""The terminal of `chatlearn train` / `eval`: a failure that is a `RunError` reads as one line there, and its
+traceback goes to the run's log file, `run_dir/chatlearn.log`.
+
+Prefect logs a failed task run and each flow run it fails (the episode subflow, the train flow) with the whole
+traceback, through the console handler it puts on the root logger: one reward hook that raised would print
+three tracebacks, and three "Finished in state Failed(...)" lines, before the CLI's own
+``chatlearn: error: <message>``. While `run_log` is active, every log record of the process also goes to the
+log file, and a filter on the console handlers drops the records of a RunError's failure: those that carry it
+(``exc_info``) and, after one did, Prefect's "Finished in state Failed / NotReady" lines. Everything else (progress,
+warnings, the traceback of any other exception, which is a bug of ours and must show) reaches the terminal as
+before. A filter rather than a Prefect logging config of our own (PREFECT_LOGGING_SETTINGS_PATH): the user's
+Prefect logging settings keep working, and nothing changes outside the CLI's train and eval.
+"""
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from chatlearn.runtime.stopping import stopping
+from chatlearn.utils.errors import find_run_error
+
+LOG_NAME = "chatlearn.log"
+LOG_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
+
+logger = logging.getLogger("chatlearn")
+
+
+class RunErrorConsoleFilter(logging.Filter):
+    """Drops, on a console handler, what Prefect logs about a failure that holds a RunError (the CLI prints
+    that as one line; the log file keeps the records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run_error_seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if stopping():  # SIGTERM / Ctrl-C: what fails on the way out is the stop (the CLI says so in one line)
+            prefect = record.name.startswith("prefect")
+            return exc is None and not (prefect and (record.levelno >= logging.ERROR
+                                                     or record.getMessage().startswith("Finished in state")))
+        if exc is not None and find_run_error(exc) is not None:
+            self.run_error_seen = True
+            return False
+        # Prefect's summary of each failed run (Failed) and of the tasks that then never ran (NotReady) come after
+        # the traceback record, in the same thread
+        if self.run_error_seen and record.name.startswith("prefect"):
+            message = record.getMessage()
+            return not (message.startswith("Finished in state") and not message.startswith("Finished in state Comp"))
+        return True
+
+
+def _open_log(run_dir: str | os.PathLike) -> logging.FileHandler:
+    """A handler appending to ``run_dir/chatlearn.log``; a file in the temporary directory when the run
+    directory cannot hold it (the run then fails on that directory with its own error)."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        handler = logging.FileHandler(Path(run_dir) / LOG_NAME, encoding="utf-8")
+    except OSError:
+        fd, path = tempfile.mkstemp(prefix="chatlearn-", suffix=".log")
+        os.close(fd)
+        handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    return handler
+
+
+def _console_handlers(root: logging.Logger) -> list[logging.Handler]:
+    """The root logger's handlers that write to a terminal stream (Prefect's console handler, or the user's)."""
+    return [h for h in root.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+
+
+@contextlib.contextmanager
+def run_log(run_dir: str | os.PathLike) -> Iterator[Path]:
+    """While the block runs: every log record also goes to ``run_dir/chatlearn.log`` (yielded), and the console
+    drops what Prefect logs about a RunError's failure. An exception holding a RunError that leaves the block is
+    logged there with its whole traceback (chain included: the user's hook, the Ray task, the stage) before it
+    goes on to the CLI, which prints its one line."""
+    # lazy: Prefect loads only for the commands that run something. Its logging is set up first: set up after
+    # our file handler is on the root logger, Prefect would take that for the user's and add no console handler
+    from prefect.logging.configuration import ensure_logging_setup
+
+    ensure_logging_setup()
+    root = logging.getLogger()
+    handler = _open_log(run_dir)
+    console_filter = RunErrorConsoleFilter()
+    consoles = _console_handlers(root)
+    root.addHandler(handler)
+    for console in consoles:
+        console.addFilter(console_filter)
+    try:
+        yield Path(handler.baseFilename)
+    except Exception as exc:
+        if find_run_error(exc) is not None:
+            # the console filter drops this record (it carries the RunError); the file gets the traceback
+            logger.error("the run stopped: %s", find_run_error(exc), exc_info=exc)
+        raise
+    finally:
+        for console in consoles:
+            console.removeFilter(console_filter)
+        root.removeHandler(handler)
+        handler.close()
