@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -26,9 +27,13 @@ from chatlearn.config import ChatLearnConfig, ConfigError, ConfigWarning, Engine
 from chatlearn.config.engine_checks import engine_name
 from chatlearn.config.engines import ENGINES
 from chatlearn.data.prompts import DataError
+from chatlearn.runtime.console import run_log
 from chatlearn.runtime.dlc import DLCNode, dlc_head, dlc_node, serve_as_worker
 from chatlearn.runtime.placement import PlacementError, plan_placement, uniform_cluster
+from chatlearn.runtime.run_lock import lock_run_dir
+from chatlearn.runtime.stopping import stop_signal, stopping
 from chatlearn.utils.devices import fake_gpus
+from chatlearn.utils.errors import find_run_error
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -85,12 +90,17 @@ def _announce(msg: str) -> None:
 
 def cmd_eval(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
+    from chatlearn.data.preflight import preflight
     from chatlearn.runtime.engine import build_engine
     from chatlearn.runtime.prefect_server import local_prefect_api
+    from chatlearn.runtime.stopping import stop_on_signals
 
     cfg = _load(items, engine="eval")
     engine = build_engine(cfg, engine="eval")
-    with local_prefect_api(announce=_announce):
+    preflight(cfg, engine)  # model paths, data, prompt lengths: errors before the Prefect server or Ray start
+    # eval writes run_dir/eval.json: one command per run directory, as for train (RunError naming the holder)
+    with stop_on_signals(), lock_run_dir(cfg.runtime.run_dir), run_log(cfg.runtime.run_dir), \
+            local_prefect_api(announce=_announce):
         metrics = engine.eval(cfg)
     print(json.dumps(metrics, indent=1, default=str))
     return 0
@@ -98,15 +108,29 @@ def cmd_eval(items: list[str]) -> int:
 
 def cmd_train(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
+    from chatlearn.checkpoint.resume import checkpoint_dirs
+    from chatlearn.data.preflight import preflight
     from chatlearn.runtime.engine import build_engine
     from chatlearn.runtime.prefect_server import local_prefect_api
+    from chatlearn.runtime.stopping import stop_on_signals
 
     cfg = _load(items)
     engine = build_engine(cfg)
     node = dlc_node(cfg.runtime_env.platform)
+    if node is not None and "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
+        # a DLC job's nodes share no token file: Ray's default would give the head a token its workers lack
+        _announce("DLC: Ray token authentication is off (set RAY_AUTH_MODE=token and the same RAY_AUTH_TOKEN "
+                  "on every node of the job to turn it on)")
+        os.environ["RAY_AUTH_MODE"] = "disabled"
     if node is not None and node.rank > 0:  # a DLC worker node: serve Ray until the head is gone
         return serve_as_worker(node, fake_gpus() or None)
-    with _dlc_head(node), local_prefect_api(announce=_announce):
+    preflight(cfg, engine)  # model paths, data, prompt lengths: errors before the Prefect server or Ray start
+    # one run per run directory, taken before the Prefect server starts (the train flow re-enters it in this
+    # process); the run and checkpoint directories are checked writable here too
+    # run_log: the run's log file; a RunError's tracebacks go there, not to the terminal
+    # stop_on_signals: SIGTERM / Ctrl-C stop within seconds and leave the Prefect server (chatlearn.runtime.stopping)
+    with stop_on_signals(), lock_run_dir(cfg.runtime.run_dir, checkpoint_dirs(cfg)), run_log(cfg.runtime.run_dir), \
+            _dlc_head(node), local_prefect_api(announce=_announce):
         result = engine.learn(cfg)
     print(f"run directory: {cfg.runtime.run_dir}", file=sys.stderr)
     if result.get("final_policy"):
@@ -157,6 +181,12 @@ def cmd_deploy(items: list[str], how: str, name: str | None, cron: str | None, o
     return 0
 
 
+def _stopped(signame: str) -> int:
+    print(f"chatlearn: stopped by {signame}; re-run the same command to resume from the last checkpoint",
+          file=sys.stderr)
+    return 128 + int(getattr(signal, signame, signal.SIGINT))
+
+
 def _config_warnings_as_lines(previous: Callable[..., None]) -> Callable[..., None]:
     """A `warnings.showwarning` that prints a ConfigWarning as one `chatlearn: warning:` line."""
 
@@ -172,7 +202,8 @@ def _config_warnings_as_lines(previous: Callable[..., None]) -> Callable[..., No
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray's token authentication: a local run turns it on (chatlearn.runtime.launch.loopback_only); joining
+    # RAY_ADDRESS follows the cluster (RAY_AUTH_MODE / RAY_AUTH_TOKEN as the user set them, README)
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     previous = warnings.showwarning
     warnings.showwarning = _config_warnings_as_lines(previous)
@@ -271,6 +302,20 @@ def _main(argv: list[str] | None) -> int:
     except DataError as exc:
         print(f"chatlearn: bad data: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (chatlearn.runtime.stopping.Stopped)
+        return _stopped(getattr(exc, "signame", "SIGINT"))
+    except Exception as exc:
+        if stopping():  # what a stop looked like on its way out (an actor killed for it, Prefect's wrapper)
+            return _stopped(stop_signal() or "SIGTERM")
+        # a RunError (a user hook, a NaN, a write that failed, a run directory in use), itself or inside Ray's
+        # RayTaskError (whose own str() is the remote traceback) or an exception chain: one line, the traceback
+        # is in run_dir/chatlearn.log (chatlearn.runtime.console); anything else is a bug of ours and keeps its
+        # traceback
+        err = find_run_error(exc)
+        if err is None:
+            raise
+        print(f"chatlearn: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

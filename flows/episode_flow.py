@@ -13,6 +13,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from chatlearn.runtime.handles import RunHandle
+from chatlearn.runtime.recovery import kill_point
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
 from flows.stage_tasks import checkpoint, evaluate, generate, score, sync, train
@@ -34,6 +35,7 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
     evaluated = evaluate.submit(run, episode, synced, trained, wait_for=[saved]) if eval_due else None
     rollouts.wait()
     crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
+    kill_point("after_generate", episode, run.run_dir)  # for recovery tests: a model process dies here
 
     gen, exp, tr, sy, ck = rollouts.result(), experience.result(), trained.result(), synced.result(), saved.result()
     metrics: dict[str, Any] = {"episode": episode, "consumed_samples": consumed_samples + gen.meta["num_samples"]}

@@ -4,12 +4,19 @@ Tasks return small things (metrics, RefBoxes of ObjectRefs); rollouts and weight
 through Ray's object store. They read what they need from the `RunHandle` (actor names and the few config
 numbers that matter), never the whole config. Prefect's cache is off for all of them: they act on stateful
 actors, and a cached `train` would silently skip an update.
+
+A `RunError` from a stage's actors or Ray tasks (a user hook that raised, a NaN reward or loss) comes back
+wrapped by Ray; the stage (`in_stage`) raises it again as one RunError that says where, ``episode 3, score:
+reward hook mod:fn returned nan for sample 17 (prompt "...")``, which the CLI prints as one line.
 """
 
+import functools
+import inspect
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -18,16 +25,69 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
-from chatlearn.models.hf.reward import score_samples, text_samples
+from chatlearn.models.hf.reward import hook_name, score_samples, text_samples
 from chatlearn.runtime.evaluation import eval_metrics, eval_results
 from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle, forget_peers, settle_peers
 from chatlearn.runtime.reporting import artifact_key
 from chatlearn.runtime.schedule import every
 from chatlearn.runtime.sync import sync_routes
+from chatlearn.runtime.waiting import StageClock
+from chatlearn.utils.errors import RunError, find_run_error
 from chatlearn.utils.imports import import_callable
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def stage_error(exc: BaseException, stage: str, episode: int | None) -> RunError | None:
+    """What a stage raises for ``exc``: the RunError inside it (itself, or under Ray's RayTaskError and
+    exception chains) with ``episode N, <stage>: `` in front (just ``<stage>: `` outside an episode: the eval
+    before training, `chatlearn eval`), unless its message says where already; None when ``exc`` holds no
+    RunError (a bug of ours keeps its own traceback)."""
+    err = find_run_error(exc)
+    if err is None:
+        return None
+    if err.message.startswith(("episode ", f"{stage}:")):
+        return err if exc is err else RunError(err.message)
+    where = f"episode {episode}, {stage}" if episode is not None and episode >= 0 else stage
+    return RunError(f"{where}: {err.message}")
+
+
+def _episode_of(params: dict[str, Any]) -> int | None:
+    """The episode of a stage call: its ``episode`` argument, or the one its rollouts were generated in."""
+    if isinstance(params.get("episode"), int):
+        return params["episode"]
+    for value in params.values():
+        if isinstance(value, RefBox) and isinstance(value.meta.get("episode"), int):
+            return value.meta["episode"]
+    return None
+
+
+def in_stage(stage: str) -> Callable[[F], F]:
+    """Decorate a stage task's function (under ``@task``) so a RunError leaves it as `stage_error` says; the
+    original exception stays its cause, so the log file gets the whole traceback."""
+
+    def wrap(fn: F) -> F:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                bound = signature.bind_partial(*args, **kwargs)
+                err = stage_error(exc, stage, _episode_of(bound.arguments))
+                if err is None or err is exc:
+                    raise
+                raise err from exc
+
+        run.__prefect_task_source__ = fn  # type: ignore[attr-defined]  # Prefect's task key: the stage's own code
+        return run  # type: ignore[return-value]
+
+    return wrap
 
 
 @task(name="generate", cache_policy=NO_CACHE)
+@in_stage("generate")
 def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
     """The producer samples responses for this episode's prompts, batches dealt over its replicas."""
     forget_peers()  # nothing of another run's calls is waited for here
@@ -40,48 +100,55 @@ def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
     for i, (r, idx, ids) in enumerate(batches):
         # stream positions identify samples: per-sample seeds make responses independent of the batching
         outer.append(heads[r].generate.remote(idx, first_iteration + i, sample_ids=ids, group_size=run.group_size))
-    refs = ray.get(outer)  # waits for generation; only the small refs owned by the actors come back
+    clock = StageClock("generate", episode, run.stage_timeout_s)
+    refs = clock.get(outer, run.plan.producer)  # waits for generation; only the small refs owned by the actors
     settle_peers()
     return RefBox(refs, seconds=time.perf_counter() - t0, num_batches=len(batches),
-                  num_samples=sum(len(idx) for _, idx, _ in batches), first_iteration=first_iteration)
+                  num_samples=sum(len(idx) for _, idx, _ in batches), first_iteration=first_iteration,
+                  episode=episode, first_sample_id=consumed_samples)
 
 
-def rule_reward(batch: RefBox, rule: RuleSpec, model: str) -> list[float]:
+def rule_reward(batch: RefBox, rule: RuleSpec, model: str, episode_start: int | None = None) -> list[float]:
     """A rule reward on one batch, stateless: fetch the batch, call the function on each sample (each call
-    bounded by the rule's timeout), return the scores. Runs as a Ray task with the rule's CPUs."""
+    bounded by the rule's timeout), return the scores. Runs as a Ray task with the rule's CPUs. An error
+    (a RewardError, a RunError) names the hook and the sample, by its index in the episode when
+    ``episode_start`` (the episode's first ``sample_id``) is given."""
     data = ray.get(batch.refs[0])
     samples = text_samples(data)
-    where = f"{model} reward_fn {rule.reward_fn}"
-    return score_samples(import_callable(rule.reward_fn), samples, rule.timeout_s, where)
+    return score_samples(import_callable(rule.reward_fn), samples, rule.timeout_s, hook_name(rule.reward_fn),
+                         episode_start)
 
 
 class RuleFuture:
-    """One batch's rule-reward Ray task; `result()` waits for its scores (and raises its error)."""
+    """One batch's rule-reward Ray task; `result()` waits for its scores (and raises its error), within the
+    stage's deadline when given its clock."""
 
-    def __init__(self, ref: Any):
-        self.ref = ref
+    def __init__(self, ref: Any, model: str = ""):
+        self.ref, self.model = ref, model
 
-    def result(self) -> list[float]:
-        return ray.get(self.ref)
+    def result(self, clock: StageClock | None = None) -> list[float]:
+        return clock.get(self.ref, self.model) if clock is not None else ray.get(self.ref)
 
 
 _RULE_TASKS: dict[float, Any] = {}
 _RULE_TASKS_LOCK = threading.Lock()
 
 
-def fan_out_rule(run: RunHandle, model: str, batches: list[Any]) -> list[RuleFuture]:
+def fan_out_rule(run: RunHandle, model: str, batches: list[Any], episode_start: int | None = None) -> list[RuleFuture]:
     """One `rule-reward` Ray task per batch, all in parallel, each with the rule's `num_cpus`; returns their
     futures in batch order. Plain Ray tasks (2 ms to dispatch), not Prefect tasks (about 150 ms each on Ray):
-    the score and eval stages that fan them out are the Prefect tasks."""
+    the score and eval stages that fan them out are the Prefect tasks. ``episode_start``: see `rule_reward`."""
     rule = run.rule_rewards[model]
     with _RULE_TASKS_LOCK:
         if rule.num_cpus not in _RULE_TASKS:
             _RULE_TASKS[rule.num_cpus] = ray.remote(num_cpus=rule.num_cpus, max_retries=0)(rule_reward)
         remote = _RULE_TASKS[rule.num_cpus]
-    return [RuleFuture(remote.options(name="rule-reward").remote(RefBox([b]), rule, model)) for b in batches]
+    return [RuleFuture(remote.options(name="rule-reward").remote(RefBox([b]), rule, model, episode_start), model)
+            for b in batches]
 
 
 @task(name="score", cache_policy=NO_CACHE)
+@in_stage("score")
 def score(run: RunHandle, rollouts: RefBox) -> RefBox:
     """Scorers (reference, value) run on each rollout batch in parallel; the final model (reward) merges.
 
@@ -90,14 +157,16 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
     forget_peers()  # nothing of another run's calls is waited for here
     t0 = time.perf_counter()
     plan = run.plan
+    clock = StageClock("score", rollouts.meta.get("episode", -1), run.stage_timeout_s)
     if not plan.final and not plan.scorers:  # offline DPO: the producer's output is the experience
-        refs = ray.get(run.stream().hold.remote(*rollouts.refs))
+        refs = clock.get(run.stream().hold.remote(*rollouts.refs), "the stream dataset")
         return RefBox(refs, seconds=time.perf_counter() - t0)
     if not plan.final:
         raise ValueError("the episode plan has no final model to merge the rollouts and the scores into")
     scorer_heads = {name: run.heads(name) for name in plan.scorers}
     final_heads = run.heads(plan.final)
-    rules = fan_out_rule(run, plan.final, rollouts.refs) if plan.final in run.rule_rewards else None
+    rules = (fan_out_rule(run, plan.final, rollouts.refs, rollouts.meta.get("first_sample_id"))
+             if plan.final in run.rule_rewards else None)
     parts = []
     for i, g in enumerate(rollouts.refs):
         it = rollouts.meta["first_iteration"] + i
@@ -105,24 +174,27 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
     outs = []
     for i, g in enumerate(rollouts.refs):
         it = rollouts.meta["first_iteration"] + i
-        extra = [{"scores": torch.tensor(rules[i].result(), dtype=torch.float32)}] if rules is not None else []
+        extra = [{"scores": torch.tensor(rules[i].result(clock), dtype=torch.float32)}] if rules is not None else []
         outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts[i], *extra, iteration=it,
                                                                      keep_inputs=True))
-    refs = ray.get(outs)
+    refs = clock.get(outs, ", ".join([*plan.scorers, plan.final]))  # the final model waits for the scorers
     settle_peers()
     return RefBox(refs, seconds=time.perf_counter() - t0)
 
 
 @task(name="train", cache_policy=NO_CACHE)
+@in_stage("train")
 def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int) -> dict[str, Any]:
     """The StreamDataset shapes the episode's samples (loader type, relay); every trainer trains on them."""
     forget_peers()  # nothing of another run's calls is waited for here
     t0 = time.perf_counter()
-    samples_ref, metrics = ray.get(run.stream().episode_samples.remote(*experience.refs, episode=episode))
+    clock = StageClock("train", episode, run.stage_timeout_s)
+    samples_ref, metrics = clock.get(run.stream().episode_samples.remote(*experience.refs, episode=episode),
+                                     "the stream dataset")
     calls = {name: run.heads(name)[0].train.remote(samples_ref, episode=episode, start_iteration=start_iteration,
                                                    group_size=run.group_size)
              for name in run.plan.trainers}
-    results = dict(zip(calls, ray.get(list(calls.values())), strict=True))
+    results = dict(zip(calls, clock.get(list(calls.values()), list(calls)), strict=True))
     settle_peers()
     for res in results.values():
         metrics.update({k: v for k, v in res.items() if k not in ("iteration", "num_steps", "num_samples")})
@@ -134,6 +206,7 @@ def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int
 
 
 @task(name="sync", cache_policy=NO_CACHE)
+@in_stage("sync")
 def sync(run: RunHandle, episode: int, trained: dict | None = None) -> dict[str, Any]:
     """Copy each trainer's weights into its inference model (every `sync_frequency` episodes).
 
@@ -149,6 +222,7 @@ def sync(run: RunHandle, episode: int, trained: dict | None = None) -> dict[str,
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE)
+@in_stage("checkpoint")
 def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
     """Every `save_episode_interval` episodes, the model actors save their state and the relay its window.
 
@@ -160,16 +234,18 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
     paths: dict[str, str | None] = {}
     relay_path = None
     if every(run.save_episode_interval, episode):
+        clock = StageClock("checkpoint", episode, run.stage_timeout_s)
         iteration = trained["iteration"]
         calls = {name: run.heads(name)[0].save_checkpoint.remote(iteration) for name in run.checkpoint_models}
-        paths = dict(zip(calls, ray.get(list(calls.values())), strict=True))
+        paths = dict(zip(calls, clock.get(list(calls.values()), list(calls)), strict=True))
         settle_peers()
         relay_dir = os.path.join(run.data_checkpoint_path, "relay", f"iter_{iteration:07d}")
-        relay_path = ray.get(run.stream().save_relay.remote(relay_dir))
+        relay_path = clock.get(run.stream().save_relay.remote(relay_dir), "the stream dataset")
     return {"paths": paths, "relay_path": relay_path, "seconds": time.perf_counter() - t0}
 
 
 @task(name="eval", cache_policy=NO_CACHE)
+@in_stage("eval")
 def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: dict | None = None) -> dict[str, Any]:
     """The producer's eval responses (greedy by default) on the eval set, scored by the evaluator model, then
     `runtime.eval_post_process_fn(results, {"episode_iteration", "train_iteration"})` turns the per-sample
@@ -187,10 +263,11 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
         if scorer and not rule:
             g = scorer[i % len(scorer)].forward.remote(g, is_eval=True, keep_inputs=True)
         outs.append(g)
-    gen_refs = ray.get(outs)
+    clock = StageClock("eval", episode, run.stage_timeout_s)
+    gen_refs = clock.get(outs, plan.producer if rule or not scorer else f"{plan.producer}, {plan.evaluator}")
     settle_peers()
     if rule:  # the rule reward's tasks score the eval batches, in parallel
-        scores = [f.result() for f in fan_out_rule(run, plan.evaluator, gen_refs)]
+        scores = [f.result(clock) for f in fan_out_rule(run, plan.evaluator, gen_refs, episode_start=0)]
         out_batches = [{**b, "scores": torch.tensor(s, dtype=torch.float32)}
                        for b, s in zip(ray.get(gen_refs), scores, strict=True)]
     else:

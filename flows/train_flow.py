@@ -24,6 +24,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 
 from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
 from chatlearn.checkpoint.resume import (
+    checkpoint_dirs,
     commit_data_checkpoint,
     data_checkpoint_dir,
     load_model_checkpoints,
@@ -31,17 +32,23 @@ from chatlearn.checkpoint.resume import (
     resume_point,
 )
 from chatlearn.config import ChatLearnConfig
+from chatlearn.data.preflight import preflight
 from chatlearn.models.parallel import ParallelDims
 from chatlearn.runtime.handles import RunHandle, settle_peers
 from chatlearn.runtime.launch import launch
 from chatlearn.runtime.model_group import ModelGroup
-from chatlearn.runtime.placement import table_text
-from chatlearn.runtime.plan import resolve_engine
+from chatlearn.runtime.placement import PlacementError, table_text
+from chatlearn.runtime.plan import ResolvedEngine, resolve_engine
 from chatlearn.runtime.profiling import EpisodeInstruments
-from chatlearn.runtime.reporting import EpisodeReporter, RunArtifacts, artifact_key
+from chatlearn.runtime.recovery import ProcessLost, alive_node_ids, process_loss
+from chatlearn.runtime.reporting import EpisodeReporter, RunArtifacts, artifact_key, json_safe
+from chatlearn.runtime.run_lock import lock_run_dir
 from chatlearn.runtime.run_record import claim_run_dir
+from chatlearn.runtime.stopping import stopping
 from chatlearn.runtime.sync import sync_routes
+from chatlearn.utils.errors import RunError
 from chatlearn.utils.faults import crash_point
+from chatlearn.utils.storage import writing
 from flows.episode_flow import episode_flow
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
@@ -62,39 +69,102 @@ def _train(config: ConfigParam | None = None, config_path: str | None = None, ov
     t_start = time.perf_counter()
     cfg = config_of(config, config_path, overrides)
     eng = resolve_engine(cfg, modules, engine)  # raises ConfigError before any actor exists
-    resumed = resume_point(cfg)  # a missing or bad chosen record fails here too
+    preflight(cfg, eng)  # model paths, data, prompt lengths (ConfigError, DataError); `launch` reuses its records
     run_dir = Path(cfg.runtime.run_dir)
+    # one run per run directory until the end (RunError naming the holder; `chatlearn train` already holds it:
+    # re-entry only counts up), and the run and checkpoint directories writable, checked before Ray starts
+    lock = lock_run_dir(run_dir, checkpoint_dirs(cfg))
+    try:
+        return _train_locked(cfg, eng, run_dir, t_start)
+    finally:
+        lock.release()
+
+
+def _train_locked(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_start: float) -> dict:
+    """`_train` with the run directory locked: the resume point, the actors, the episodes.
+
+    A model process that dies (killed, out of memory, its node lost) does not end the run: the remaining
+    actors are torn down, a fresh set is started, and the run resumes from its last checkpoint as a re-run
+    would (exact), at most `runtime.max_restarts` times (`chatlearn.runtime.recovery`).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     claim_run_dir(run_dir)  # a SIGKILLed earlier run here still shows Running: mark it Crashed, record us
+    restarts = 0
+    progress: dict[str, Any] = {}
+    previous: ProcessLost | None = None
+    while True:
+        try:
+            return _attempt(cfg, eng, run_dir, t_start, progress)
+        except PlacementError as exc:
+            if previous is None or not previous.nodes:
+                raise
+            # the lost node took capacity the layout needs: fail naming it (ChatLearn's layouts are fixed)
+            raise RunError(f"{previous.message}; the model layout no longer fits the remaining cluster: {exc}") \
+                from exc
+        except ProcessLost as lost:
+            previous = lost
+            restarts += 1
+            limit = cfg.runtime.max_restarts
+            if restarts > limit:
+                raise RunError(f"{lost.message}; gave up after {limit} restart(s) (runtime.max_restarts)") from lost
+            if progress.get("committed"):  # this run's own checkpoints are the restart point, whatever the config
+                cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(
+                    update={"enable_resume_training": True, "load_data_checkpoint_iteration": None})})
+            msg = (f"{lost.message}; recreating the model processes and resuming from the last checkpoint "
+                   f"(restart {restarts} of at most {limit})")
+            get_run_logger().warning(msg)
+            sys.stderr.write(f"chatlearn: warning: {msg}\n")
+            t_start = time.perf_counter()
+
+
+def _attempt(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_start: float,
+             progress: dict[str, Any]) -> dict:
+    """One start of the run's actors, from the resume point, to the end (or a ProcessLost)."""
+    resumed = resume_point(cfg)  # a missing or bad chosen record fails here too
+    progress["episode"] = None
     with launch(cfg, eng, data_checkpoint_dir(cfg)) as (run, groups, stream):
-        _show_placement(run)
-        _show_layouts(cfg)
-        heads = {name: group.heads[0] for name, group in groups.items()}
-        if resumed is not None:
-            load_model_checkpoints([heads[m] for m in eng.plan.trainers], resumed.train_iteration)
-            settle_peers()
-            restore_driver_and_relay(resumed, stream)
-            msg = (f"resuming after episode {resumed.episode + 1} (trainer iteration {resumed.train_iteration}, "
-                   f"{resumed.consumed_samples} samples consumed) from {run.data_checkpoint_path}")
-            get_run_logger().info(msg)
-            sys.stderr.write(msg + "\n")  # the terminal shows it whatever the Prefect log level
-        # ChatLearn syncs all parameters once before the first episode: inference copies start as the trainers.
-        sync_routes(run.sync_routes, run.actor, concurrent=run.concurrent_comm,
-                    max_workers=run.param_sync_max_workers)
-        if resumed is not None:  # inference copies that may lag their trainer come from their own checkpoint
-            lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
-            load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
-            settle_peers()
-        params = _parameter_counts(heads, eng.plan.trainers)
-        if eng.name == "grpo":  # say where the ratio's old log-probs come from
-            src = ("the trainer's forward pass in the score stage" if eng.plan.trainers[0] in eng.plan.scorers
-                   else "generation (the policy holds the trainer's weights, synced every episode)")
-            sys.stderr.write(f"old log-probs: {src}\n")
-        startup = time.perf_counter() - t_start
-        sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
-        last = _run_episodes(cfg, run, groups, run_dir, resumed, startup, params.get(eng.plan.export, {}))
+        processes = {name: run.actor(name) for reps in run.actors.values() for rep in reps for name in rep}
+        nodes_before = alive_node_ids()
+        try:
+            last = _start_and_run(cfg, eng, run, groups, stream, run_dir, resumed, t_start, progress)
+        except Exception as exc:
+            lost = None if stopping() else process_loss(exc, processes, nodes_before, progress.get("episode"))
+            if lost is None:
+                raise
+            raise lost from exc
     _show_outputs(cfg, last)
     return last
+
+
+def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, groups: dict[str, ModelGroup],
+                   stream: Any, run_dir: Path, resumed: DataCheckpoint | None, t_start: float,
+                   progress: dict[str, Any]) -> dict:
+    _show_placement(run)
+    _show_layouts(cfg)
+    heads = {name: group.heads[0] for name, group in groups.items()}
+    if resumed is not None:
+        load_model_checkpoints([heads[m] for m in eng.plan.trainers], resumed.train_iteration)
+        settle_peers()
+        restore_driver_and_relay(resumed, stream)
+        msg = (f"resuming after episode {resumed.episode + 1} (trainer iteration {resumed.train_iteration}, "
+               f"{resumed.consumed_samples} samples consumed) from {run.data_checkpoint_path}")
+        get_run_logger().info(msg)
+        sys.stderr.write(msg + "\n")  # the terminal shows it whatever the Prefect log level
+    # ChatLearn syncs all parameters once before the first episode: inference copies start as the trainers.
+    sync_routes(run.sync_routes, run.actor, concurrent=run.concurrent_comm,
+                max_workers=run.param_sync_max_workers)
+    if resumed is not None:  # inference copies that may lag their trainer come from their own checkpoint
+        lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
+        load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
+        settle_peers()
+    params = _parameter_counts(heads, eng.plan.trainers)
+    if eng.name == "grpo":  # say where the ratio's old log-probs come from
+        src = ("the trainer's forward pass in the score stage" if eng.plan.trainers[0] in eng.plan.scorers
+               else "generation (the policy holds the trainer's weights, synced every episode)")
+        sys.stderr.write(f"old log-probs: {src}\n")
+    startup = time.perf_counter() - t_start
+    sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
+    return _run_episodes(cfg, run, groups, run_dir, resumed, startup, params.get(eng.plan.export, {}), progress)
 
 
 def _show_outputs(cfg: ChatLearnConfig, last: dict[str, Any]) -> None:
@@ -156,7 +226,10 @@ def _released_bytes(groups: dict[str, ModelGroup]) -> int:
 
 def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], run_dir: Path,
                   resumed: DataCheckpoint | None, startup_seconds: float = 0.0,
-                  summary_extra: dict[str, Any] | None = None) -> dict:
+                  summary_extra: dict[str, Any] | None = None, progress: dict[str, Any] | None = None) -> dict:
+    """The episodes from the resume point on; `progress` says which episode is running and whether this run
+    committed a checkpoint yet (what a restart after a lost process resumes from)."""
+    progress = {} if progress is None else progress
     rt = cfg.runtime
     store = DataCheckpointStore(run.data_checkpoint_path)
     first = resumed.episode + 1 if resumed is not None else 0
@@ -180,6 +253,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
+            progress["episode"] = episode
             crash_point("episode_start", episode)
             # no heartbeat thread of the episode's own: a sync subflow joins it on exit, and it sleeps in 1 s
             # steps (up to 1 s an episode, ../shared/reference/prefect_ray.md); the train flow's heartbeat still
@@ -201,6 +275,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             reporter.record(metrics)
             if metrics["checkpoint_paths"]:
                 path = commit_data_checkpoint(cfg, store, metrics)
+                progress["committed"] = True
                 create_markdown_artifact(
                     key=reporter.artifact_key("data-checkpoint"),
                     markdown=f"latest data checkpoint of **{rt.exp_name}**: episode {episode + 1}, trainer "
@@ -214,10 +289,15 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         reporter.close()
     if run.plan.export:
         path = run_dir / "final" / "policy"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ray.get(groups[run.plan.export].heads[0].call.remote("export_hf", str(path)))
+        with writing("the final policy", path):  # a full disk, in the actor too: one RunError naming the path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            ray.get(groups[run.plan.export].heads[0].call.remote("export_hf", str(path)))
         settle_peers()
         last["final_policy"] = str(path)
     last.update(summary_extra or {})  # e.g. the exported model's trainable/total parameters
-    (run_dir / "summary.json").write_text(json.dumps(last, default=str, indent=1))
+    summary = run_dir / "summary.json"
+    with writing("the run summary", summary, cleanup=summary.with_suffix(".json.tmp")):
+        summary.with_suffix(".json.tmp").write_text(json.dumps(json_safe(last), default=str, indent=1,
+                                                               allow_nan=False))
+        summary.with_suffix(".json.tmp").replace(summary)  # never half a summary
     return last

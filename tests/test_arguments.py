@@ -115,6 +115,8 @@ DECLARED_EXTRAS = {
         "eval_post_process_fn": None,
         "relay_sample_fn": None,
         "enable_eval_before_training": False,
+        "max_restarts": 3,
+        "stage_timeout_s": 3600.0,
     },
 }
 ALL_FIELDS = {cls: {**fields, **DECLARED_EXTRAS.get(cls, {})} for cls, fields in REFERENCE.items()}

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,37 @@ def test_every_offload_flag_on_ends_bit_identical(prefect_api, tiny_model_dir, t
     # every episode moves the trainers' weights, optimizer states and grads out while the others run
     assert all(mb > 5 for mb in handed), handed
     assert all("handover_mb" not in r for r in off_rows)
+
+
+def test_a_node_lost_mid_run_fails_naming_it_when_the_layout_no_longer_fits(prefect_api, tiny_model_dir, tmp_path,
+                                                                            shipped_reward):
+    # the trainers run on the second node (its one GPU); losing that node mid-run leaves 3 GPUs for a layout
+    # of 4: the run recreates what it can, finds the layout no longer fits, and fails naming the lost node
+    from prefect.settings import PREFECT_API_URL
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3, resources={"head": 1}))
+    try:
+        second = cluster.add_node(num_cpus=4, num_gpus=1, resources={"second": 1})
+        cluster.wait_for_nodes()
+        env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+                   PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=cluster.address, CHATLEARN_FAKE_GPUS="4")
+        args = [*SMALL, "runtime.num_episode=20", "runtime.save_episode_interval=1", *GPU_LAYOUT, *shipped_reward,
+                "runtime.exp_name=lose-node"]
+        proc = subprocess.Popen([sys.executable, "-m", "chatlearn.cli", "train", *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        metrics = tmp_path / "lose-node" / "metrics.jsonl"
+        for _ in range(3000):
+            if proc.poll() is not None or (metrics.exists() and metrics.read_text().strip()):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        cluster.remove_node(second)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        cluster.shutdown()
+    assert proc.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("chatlearn: error:")]
+    assert len(errors) == 1, err[-3000:]
+    assert "left the cluster" in errors[0] and "no longer fits the remaining cluster" in errors[0], errors[0]
+    assert second.node_id[:12] in errors[0], errors[0]

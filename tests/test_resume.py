@@ -29,15 +29,18 @@ ARGS = [
 TIMING = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds")
 
 
-def train(out, exp, tiny_model_dir, crash=None):
+def train(out, exp, tiny_model_dir, crash=None, kill=None, extra=()):
     from prefect.settings import PREFECT_API_URL
 
     env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
                PREFECT_API_URL=PREFECT_API_URL.value())
     env.pop("CHATLEARN_CRASH_AT", None)
+    env.pop("CHATLEARN_KILL_AT", None)
     if crash:
         env["CHATLEARN_CRASH_AT"] = crash
-    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *ARGS, f"runtime.exp_name={exp}"],
+    if kill:  # SIGKILL a model's worker process (chatlearn.runtime.recovery.kill_point)
+        env["CHATLEARN_KILL_AT"] = kill
+    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *ARGS, *extra, f"runtime.exp_name={exp}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -52,13 +55,26 @@ def comparable_rows(run_dir):
     return rows
 
 
-def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(prefect_api, tiny_model_dir, tmp_path):
-    ref = train(tmp_path, "ref", tiny_model_dir)
+@pytest.fixture(scope="module")
+def reference_run(prefect_api, tiny_model_dir, tmp_path_factory):
+    """The uninterrupted run every disturbed one must reproduce: (its weights, its comparable rows)."""
+    out = tmp_path_factory.mktemp("reference")
+    ref = train(out, "ref", tiny_model_dir)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    expected_weights = load_file(str(tmp_path / "ref" / "final" / "policy" / "model.safetensors"))
-    expected_rows = comparable_rows(tmp_path / "ref")
-    assert [r["episode"] for r in expected_rows] == [0, 1, 2, 3]
+    rows = comparable_rows(out / "ref")
+    assert [r["episode"] for r in rows] == [0, 1, 2, 3]
+    return load_file(str(out / "ref" / "final" / "policy" / "model.safetensors")), rows
 
+
+def assert_same_as_reference(run_dir, reference_run):
+    expected_weights, expected_rows = reference_run
+    weights = load_file(str(run_dir / "final" / "policy" / "model.safetensors"))
+    assert weights.keys() == expected_weights.keys()
+    assert all(torch.equal(weights[k], expected_weights[k]) for k in weights), run_dir
+    assert comparable_rows(run_dir) == expected_rows, run_dir
+
+
+def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(reference_run, tiny_model_dir, tmp_path):
     for exp, crash, resumed_after in [("during-train", "after_generate:2", 2),
                                       ("during-checkpoint", "data_checkpoint_write:1", 1)]:
         killed = train(tmp_path, exp, tiny_model_dir, crash=crash)
@@ -67,7 +83,24 @@ def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(prefect_a
         again = train(tmp_path, exp, tiny_model_dir)
         assert again.returncode == 0, again.stderr[-3000:]
         assert f"resuming after episode {resumed_after} " in again.stdout + again.stderr
-        weights = load_file(str(tmp_path / exp / "final" / "policy" / "model.safetensors"))
-        assert weights.keys() == expected_weights.keys()
-        assert all(torch.equal(weights[k], expected_weights[k]) for k in weights), exp
-        assert comparable_rows(tmp_path / exp) == expected_rows, exp
+        assert_same_as_reference(tmp_path / exp, reference_run)
+
+
+def test_a_model_process_killed_mid_episode_is_recreated_and_the_run_ends_as_undisturbed(
+        reference_run, tiny_model_dir, tmp_path):
+    # the worker process hosting ppo_policy (the default colocates all six models in it) is SIGKILLed while
+    # episode 2 is being scored and trained: the run recreates it, resumes from episode 2's checkpoint record
+    # (episode index 1) and ends with the undisturbed run's weights and rows
+    res = train(tmp_path, "killed", tiny_model_dir, kill="ppo_policy:after_generate:2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "died during episode 2" in res.stderr and "restart 1 of at most 3" in res.stderr, res.stderr[-3000:]
+    assert "resuming after episode 2 " in res.stderr
+    assert_same_as_reference(tmp_path / "killed", reference_run)
+
+    # bounded: with no restarts allowed the same loss is one clear error
+    res = train(tmp_path, "no-restarts", tiny_model_dir, kill="ppo_policy:after_generate:0",
+                extra=["runtime.max_restarts=0"])
+    assert res.returncode == 1, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("chatlearn: error:")]
+    assert len(errors) == 1 and "died during episode 0" in errors[0], res.stderr[-3000:]
+    assert "gave up after 0 restart(s) (runtime.max_restarts)" in errors[0]

@@ -152,6 +152,17 @@ class RuntimeConfig(Section):
     enable_eval_before_training: bool = Field(
         default=False, description="evaluate once before the first episode (ChatLearn 1.0.3)"
     )
+    # -- fault handling (not in ChatLearn, which stops everything when a model process dies) --
+    max_restarts: int = Field(
+        default=3, ge=0,
+        description="times a run recreates its model processes after one died (a lost Ray worker or node) and "
+        "redoes the episode from the last checkpoint, before it fails; 0: fail at once",
+    )
+    stage_timeout_s: float = Field(
+        default=3600.0, gt=0,
+        description="seconds one episode stage (generate, score, train, sync, checkpoint, eval) may take before "
+        "the run fails naming the stage and the model",
+    )
 
     @field_validator("colocation", mode="before")
     @classmethod

@@ -52,6 +52,7 @@ class RunHandle(BaseModel):
     sync_routes: list[SyncRoute] = Field(default_factory=list, description="trainer -> inference weight routes")
     concurrent_comm: bool = True
     param_sync_max_workers: int | None = None
+    stage_timeout_s: float | None = Field(None, description="runtime.stage_timeout_s (chatlearn.runtime.waiting)")
 
     def actor(self, process: str) -> Any:
         """A worker process of the run, by name."""

@@ -25,6 +25,7 @@ from chatlearn.runtime.handles import RuleSpec, RunHandle, forget_peers
 from chatlearn.runtime.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
 from chatlearn.runtime.placement import NodeSpec, plan_placement
 from chatlearn.runtime.plan import ResolvedEngine
+from chatlearn.runtime.stopping import keep_handlers, on_stop
 from chatlearn.runtime.stream_dataset import StreamDataset
 from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route
 from chatlearn.utils.devices import fake_gpus
@@ -80,7 +81,8 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     if address:
         if os.environ.get("CHATLEARN_NODE_IP_ADDRESS"):  # this machine's address in the cluster (DLC sets it)
             common["_node_ip_address"] = os.environ["CHATLEARN_NODE_IP_ADDRESS"]
-        ray.init(address=address, **common)
+        with keep_handlers():
+            ray.init(address=address, **common)
         _wait_for_nodes(int(os.environ.get("CHATLEARN_WAIT_FOR_NODES", "0") or 0))
         return True
     # Logical CPUs: what the workers ask for, plus room for the dispatch tasks' worker processes. Ray keeps
@@ -90,7 +92,7 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     cpus = max(os.cpu_count() or 1, int(need + 0.999) + 4)
     # address="local": a new local Ray even when a `ray start` cluster (or its leftover address file) is on
     # this machine; joining one is what RAY_ADDRESS is for
-    with loopback_only():
+    with loopback_only(), keep_handlers():
         ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
     return True
 
@@ -168,6 +170,7 @@ def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, pre
         rule_rewards=rule_rewards(cfg, eng),
         sync_routes=sync_routes_of(cfg, eng, workers),
         concurrent_comm=rt.concurrent_comm, param_sync_max_workers=rt.param_sync_max_workers,
+        stage_timeout_s=rt.stage_timeout_s,
     )
 
 
@@ -238,15 +241,25 @@ def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
     names = list(eng.modules)
     forget_peers()
     started_ray = init_ray(cfg, namespace, names)
+    stop_guard = contextlib.ExitStack()
     prefix = f"{uuid.uuid4().hex[:8]}-"
     workers: Workers | None = None
     stream = None
+
+    def kill_all() -> None:  # on SIGTERM / Ctrl-C: every stage call blocked on an actor fails at once
+        if workers is not None:
+            workers.kill()
+
+        if stream is not None:
+            ray.kill(stream, no_restart=True)
+
     try:
         nodes, node_ids = cluster_nodes()
         plan = plan_placement(cfg, names, nodes)  # PlacementError before any actor starts
         for msg in plan.warnings:
             logger.warning("placement: %s", msg)
         t0 = time.perf_counter()
+        stop_guard.enter_context(on_stop(kill_all))
         workers = start_workers(plan, node_ids, cfg, eng.modules, namespace, prefix)
         stream = ray.remote(StreamDataset).options(name=prefix + "stream-dataset", namespace=namespace,
                                                    num_cpus=0, max_restarts=0).remote(rt)
@@ -266,6 +279,7 @@ def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
         run = _run_handle(cfg, eng, workers, prefix, namespace, sizes[0], len(eval_prompts), data_checkpoint_path)
         yield run, workers.groups, stream
     finally:
+        stop_guard.close()
         if workers is not None:
             with contextlib.suppress(Exception):
                 ray.get([a.shutdown.remote() for a in workers.actors.values()], timeout=10)
