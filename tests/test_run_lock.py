@@ -78,38 +78,3 @@ def test_children_of_the_holder_do_not_inherit_the_lock(tmp_path):
     finally:
         child.kill()
         child.wait()
-
-
-@pytest.mark.integration
-def test_a_second_train_of_the_same_run_directory_is_refused(prefect_api, tiny_model_dir, tmp_path):
-    from prefect.settings import PREFECT_API_URL
-
-    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
-               PREFECT_API_URL=PREFECT_API_URL.value())
-    for name in ("CHATLEARN_CRASH_AT", "CHATLEARN_FAULT_AT"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "chatlearn.cli", "train", "runtime.num_episode=2", "runtime.sample_per_episode=32",
-           "runtime.generation_batch_size=16", "runtime.train_micro_batch_size=8",
-           "runtime.train_global_batch_size=16", "runtime.eval_episode_interval=0",
-           "runtime.enable_eval_before_training=false"]
-    run_dir = tmp_path / "default"
-    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        holder = wait_for_holder(run_dir, first.pid, first)
-        t0 = time.monotonic()
-        second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-        refused_in = time.monotonic() - t0
-        out, err = first.communicate(timeout=600)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-    assert second.returncode == 1, second.stderr[-3000:]
-    assert second.stderr.strip().splitlines()[-1] == (
-        f"chatlearn: error: run directory {run_dir} is in use by pid {first.pid} (started {holder['started']} on "
-        f"host {socket.gethostname()}); wait for it or use another runtime.exp_name")
-    assert "Prefect UI" not in second.stderr and refused_in < 60, (refused_in, second.stderr)  # before Prefect
-    assert first.returncode == 0, err[-3000:]
-    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == 2  # the first run's episodes only
-    assert read_holder(run_dir) is None  # released at the end (the file is emptied)
