@@ -17,6 +17,25 @@ os.environ.setdefault("CHATLEARN_PREFECT_HOME", tempfile.mkdtemp(prefix="chatlea
 import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAULT_VARIABLES = ("CHATLEARN_CRASH_AT", "CHATLEARN_FAULT_AT", "CHATLEARN_KILL_AT")
+
+
+def chatlearn_train(args, out, tiny_model_dir, timeout: float = 600, **variables):
+    """A real `chatlearn train ARGS` process writing under ``out``, on the session's Prefect API (use with the
+    ``prefect_api`` fixture), with the fault-injection variables (chatlearn/utils/faults.py,
+    chatlearn/runtime/recovery.py) cleared unless given in ``variables``."""
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+               PREFECT_API_URL=PREFECT_API_URL.value())
+    for name in FAULT_VARIABLES:
+        env.pop(name, None)
+    env.update({k: v for k, v in variables.items() if v is not None})
+    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

@@ -9,14 +9,12 @@ record of episode 2, after the model checkpoints were written. Relay is on, so i
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
+from tests.conftest import chatlearn_train
 
 pytestmark = pytest.mark.integration
 
@@ -30,18 +28,9 @@ TIMING = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds
 
 
 def train(out, exp, tiny_model_dir, crash=None, kill=None, extra=()):
-    from prefect.settings import PREFECT_API_URL
-
-    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
-               PREFECT_API_URL=PREFECT_API_URL.value())
-    env.pop("CHATLEARN_CRASH_AT", None)
-    env.pop("CHATLEARN_KILL_AT", None)
-    if crash:
-        env["CHATLEARN_CRASH_AT"] = crash
-    if kill:  # SIGKILL a model's worker process (chatlearn.runtime.recovery.kill_point)
-        env["CHATLEARN_KILL_AT"] = kill
-    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *ARGS, *extra, f"runtime.exp_name={exp}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    # crash: SIGKILL the driver at a point; kill: SIGKILL a model's worker process (chatlearn.runtime.recovery)
+    return chatlearn_train([*ARGS, *extra, f"runtime.exp_name={exp}"], out, tiny_model_dir,
+                           CHATLEARN_CRASH_AT=crash, CHATLEARN_KILL_AT=kill)
 
 
 def comparable_rows(run_dir):

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import traceback
 
 import pytest
@@ -22,7 +21,7 @@ from chatlearn.checkpoint.data_checkpoint import LATEST, DataCheckpoint, DataChe
 from chatlearn.checkpoint.model_checkpoint import load_model_checkpoint, save_model_checkpoint
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.storage import ensure_writable_dir, os_error_of, writing
-from tests.conftest import REPO
+from tests.conftest import chatlearn_train
 
 ENOSPC = "[Errno 28] No space left on device"
 ENOSPC_RE = re.escape(ENOSPC)
@@ -268,16 +267,7 @@ SMALL = ["runtime.num_episode=2", "runtime.sample_per_episode=32", "runtime.gene
 
 
 def train(out, tiny_model_dir, fault=None):
-    from prefect.settings import PREFECT_API_URL
-
-    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
-               PREFECT_API_URL=PREFECT_API_URL.value())
-    env.pop("CHATLEARN_FAULT_AT", None)
-    env.pop("CHATLEARN_CRASH_AT", None)
-    if fault:
-        env["CHATLEARN_FAULT_AT"] = fault
-    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *SMALL], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return chatlearn_train(SMALL, out, tiny_model_dir, CHATLEARN_FAULT_AT=fault)
 
 
 @pytest.mark.integration

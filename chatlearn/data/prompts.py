@@ -81,13 +81,19 @@ def _parse(text: str) -> Any:
         raise ValueError(str(exc).split(";")[0]) from None
 
 
-def _json_records(path: str, text: str, keys: str | Sequence[str] | None) -> list[tuple[str, dict[str, Any]]]:
+def _parse_at(text: str, where: str, whole_file: bool = False) -> Any:
+    """`_parse`, with a DataError naming ``where`` (and, for a whole .json file, the line of the error)."""
     try:
-        data = _parse(text)
+        return _parse(text)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        place = f"{where}:{exc.lineno}" if whole_file else where
+        raise DataError(f"{place}: invalid JSON: {exc.msg} (column {exc.colno})") from None
     except ValueError as exc:
-        raise DataError(f"{path}: invalid JSON: {exc}") from None
+        raise DataError(f"{where}: invalid JSON: {exc}") from None
+
+
+def _json_records(path: str, text: str, keys: str | Sequence[str] | None) -> list[tuple[str, dict[str, Any]]]:
+    data = _parse_at(text, path, whole_file=True)
     if not isinstance(data, list):
         raise DataError(f"{path}: a .json prompt file must hold a list of records, it holds a {type(data).__name__}")
     out = []
@@ -107,12 +113,7 @@ def _jsonl_records(path: str, text: str, keys: str | Sequence[str] | None) -> li
         if not line.strip(_JSON_SPACE):
             continue
         where = f"{path}:{lineno}"
-        try:
-            rec = _parse(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-        except ValueError as exc:
-            raise DataError(f"{where}: invalid JSON: {exc}") from None
+        rec = _parse_at(line, where)
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
         _check_key(rec, keys, where)
