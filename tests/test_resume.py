@@ -86,10 +86,4 @@ def test_a_model_process_killed_mid_episode_is_recreated_and_the_run_ends_as_und
     assert "resuming after episode 2 " in res.stderr
     assert_same_as_reference(tmp_path / "killed", reference_run)
 
-    # bounded: with no restarts allowed the same loss is one clear error
-    res = train(tmp_path, "no-restarts", tiny_model_dir, kill="ppo_policy:after_generate:0",
-                extra=["runtime.max_restarts=0"])
-    assert res.returncode == 1, res.stderr[-3000:]
-    errors = [line for line in res.stderr.splitlines() if line.startswith("chatlearn: error:")]
-    assert len(errors) == 1 and "died during episode 0" in errors[0], res.stderr[-3000:]
-    assert "gave up after 0 restart(s) (runtime.max_restarts)" in errors[0]
+    # bounded restarts: tests/test_recovery.py

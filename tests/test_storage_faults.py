@@ -271,7 +271,7 @@ def train(out, tiny_model_dir, fault=None):
 
 
 @pytest.mark.integration
-def test_a_full_disk_at_the_second_checkpoint_fails_the_run_and_the_rerun_resumes(prefect_api, tiny_model_dir,
+def test_a_full_disk_at_the_second_checkpoint_fails_the_run_and_keeps_the_first(prefect_api, tiny_model_dir,
                                                                                    tmp_path):
     run_dir = tmp_path / "full"
     # two trainer steps per episode: episode 1 checkpoints iteration 2, episode 2 iteration 4 (which fails)
@@ -288,9 +288,8 @@ def test_a_full_disk_at_the_second_checkpoint_fails_the_run_and_the_rerun_resume
         assert sorted(os.listdir(run_dir / "checkpoints" / model)) == ["iter_0000002"]
     assert DataCheckpointStore(str(run_dir / "data_checkpoints")).latest_good().train_iteration == 2
 
-    again = train(tmp_path, tiny_model_dir)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming after episode 1 " in again.stderr
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["episode"] for r in rows] == [0, 1]
-    assert (run_dir / "final" / "policy").is_dir()
+    # the previous checkpoint loads (its files pass their checksums); a re-run resuming from a record is
+    # tests/test_resume.py
+    for model in ("ppo_policy", "ppo_value"):
+        state = load_model_checkpoint(str(run_dir / "checkpoints" / model / "iter_0000002"))
+        assert state["weights"] and all(torch.isfinite(t).all() for t in state["weights"].values())
