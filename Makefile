@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-overhead bench-growth bench-mfu bench-scaling clean
+.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-overhead bench-growth bench-mfu bench-scaling bench-soak clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,11 @@ bench-mfu: setup
 # seconds per sample at 128 / 512 / 2048 samples per episode and with 1 / 2 / 4 policy replicas (table + PNG)
 bench-scaling: setup
 	$(BIN)/python bench/scaling.py
+
+# 200 short episodes, SIGKILLing the driver and the model process at random: recoveries, and whether the final
+# weights equal an undisturbed run's (about an hour here; not part of `bench`)
+bench-soak: setup
+	$(BIN)/python bench/soak.py
 
 clean:
 	rm -rf output .pytest_cache
