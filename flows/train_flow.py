@@ -44,7 +44,7 @@ from chatlearn.runtime.recovery import ProcessLost, alive_node_ids, process_loss
 from chatlearn.runtime.reporting import EpisodeReporter, RunArtifacts, artifact_key, json_safe
 from chatlearn.runtime.run_lock import lock_run_dir
 from chatlearn.runtime.run_record import claim_run_dir
-from chatlearn.runtime.stopping import stopping
+from chatlearn.runtime.stopping import Stopped, stop_signal, stopping
 from chatlearn.runtime.sync import sync_routes
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.faults import crash_point
@@ -76,6 +76,10 @@ def _train(config: ConfigParam | None = None, config_path: str | None = None, ov
     lock = lock_run_dir(run_dir, checkpoint_dirs(cfg))
     try:
         return _train_locked(cfg, eng, run_dir, t_start)
+    except Exception as exc:
+        if stopping():  # whatever a stop broke on its way (a killed actor, Ray's signal check): the flow run
+            raise Stopped(stop_signal() or "SIGTERM") from exc  # ends Crashed "interrupted", not Failed
+        raise
     finally:
         lock.release()
 
