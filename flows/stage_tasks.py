@@ -34,6 +34,7 @@ from chatlearn.runtime.sync import sync_routes
 from chatlearn.runtime.waiting import StageClock
 from chatlearn.utils.errors import RunError, find_run_error
 from chatlearn.utils.imports import import_callable
+from chatlearn.utils.storage import writing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -240,7 +241,8 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
         paths = dict(zip(calls, clock.get(list(calls.values()), list(calls)), strict=True))
         settle_peers()
         relay_dir = os.path.join(run.data_checkpoint_path, "relay", f"iter_{iteration:07d}")
-        relay_path = clock.get(run.stream().save_relay.remote(relay_dir), "the stream dataset")
+        with writing("the relay checkpoint", relay_dir):  # a full disk: one RunError naming the path
+            relay_path = clock.get(run.stream().save_relay.remote(relay_dir), "the stream dataset")
     return {"paths": paths, "relay_path": relay_path, "seconds": time.perf_counter() - t0}
 
 
