@@ -143,6 +143,5 @@ def test_the_command_exits_2_before_prefect_or_ray_start(command, override, firs
         assert len(lines) == 1  # one line, not the file
     else:
         assert lines[1].startswith(f"  - models.policy.args_dict.model_path: '{tmp_path}/final/polcy' does not exist")
-    assert os.listdir(home) == []  # no server.json: no Prefect server was started
-    assert not ray.is_initialized()
+    assert os.listdir(home) == []  # no server.json: no Prefect server was started (ray.init would have raised)
     assert not (tmp_path / "out").exists()  # no run directory either
