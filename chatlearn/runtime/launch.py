@@ -18,7 +18,7 @@ import ray
 from chatlearn.checkpoint.resume import models_to_checkpoint
 from chatlearn.config import ChatLearnConfig
 from chatlearn.config.engine_checks import group_size
-from chatlearn.data.preflight import preflight
+from chatlearn.data.preflight import preflight, record_keys
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime.handles import RuleSpec, RunHandle, forget_peers
@@ -34,17 +34,6 @@ logger = logging.getLogger("chatlearn")
 
 # Never uploaded with a working_dir: the local environment, history and run outputs.
 ALWAYS_EXCLUDED = [".venv", ".git", "output"]
-
-
-def record_keys(producer: BaseModule, args: dict[str, Any]) -> list[str]:
-    """The string fields every data record must hold for the producer: its prompt (``prompt_key``), and a
-    DPO pair's two responses (``chosen_key``, ``rejected_key``) when the producer reads pairs."""
-    keys = [args.get("prompt_key", "prompt")]
-    fields = getattr(producer.args_schema, "model_fields", {}) if producer.args_schema else {}
-    for name in ("chosen_key", "rejected_key"):
-        if name in fields:
-            keys.append(args.get(name, fields[name].default))
-    return keys
 
 
 def ray_runtime_env(cfg: ChatLearnConfig) -> dict[str, Any] | None:
@@ -105,7 +94,7 @@ def loopback_only() -> Iterator[None]:
     node's address is the loopback one, and `ray.init(_node_ip_address="127.0.0.1")` is turned back into the
     machine's external address. Ray's macOS/Windows mode (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) is the one
     switch that makes a node use 127.0.0.1, and with it every server and agent binds loopback only
-    (tests/test_network.py lists the sockets). The switch is read at import into `ray_constants`, so it is set
+    (tests/test_local_run.py lists the sockets). The switch is read at import into `ray_constants`, so it is set
     there for this call and in the environment the Ray processes inherit, then put back: a later
     `ray.init(address=...)` joining a cluster in this process is not affected.
 
@@ -249,7 +238,6 @@ def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
     def kill_all() -> None:  # on SIGTERM / Ctrl-C: every stage call blocked on an actor fails at once
         if workers is not None:
             workers.kill()
-
         if stream is not None:
             ray.kill(stream, no_restart=True)
 
