@@ -34,8 +34,9 @@ class StageClock:
         """``ray.get(refs)`` (one ref or a list), raising StageTimeout past the deadline (naming ``models``:
         one name for all refs, or one per ref) and Stopped after a stop signal."""
         single = not isinstance(refs, list | tuple)
-        pending = [refs] if single else list(refs)
-        names = [models] * len(pending) if isinstance(models, str) or models is None else list(models)
+        every = [refs] if single else list(refs)
+        names = [models] * len(every) if isinstance(models, str) or models is None else list(models)
+        pending = every
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=_SLICE_S, fetch_local=False)
             if not pending:
@@ -43,8 +44,7 @@ class StageClock:
             if stopping():
                 raise Stopped(stop_signal() or "SIGTERM")
             if self.deadline is not None and time.monotonic() > self.deadline:
-                waiting = sorted({n for r, n in zip(refs if not single else [refs], names, strict=True)
-                                  if r in pending and n})
+                waiting = sorted({n for r, n in zip(every, names, strict=True) if r in pending and n})
                 for ref in pending:
                     with contextlib.suppress(Exception):
                         ray.cancel(ref)
