@@ -21,6 +21,7 @@ from chatlearn.config.errors import ConfigWarning, did_you_mean
 from chatlearn.config.model import PARALLEL_KEYS
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.config.support import unsupported_values
+from chatlearn.config.user_code import user_code
 from chatlearn.utils.imports import import_callable, import_object
 
 __all__ = ["EngineChecks", "engine_name", "group_size", "module_class_path"]
@@ -53,7 +54,7 @@ class EngineChecks:
         return f"engine:{engine_name(cfg, self.engine)}:{given}"
 
     def __call__(self, cfg: ChatLearnConfig) -> list[str]:
-        with _py_modules_importable(cfg):
+        with _py_modules_importable(cfg), user_code(cfg):
             return self._problems(cfg)
 
     def _problems(self, cfg: ChatLearnConfig) -> list[str]:

@@ -18,6 +18,7 @@ import ray
 from chatlearn.checkpoint.resume import models_to_checkpoint
 from chatlearn.config import ChatLearnConfig
 from chatlearn.config.engine_checks import group_size
+from chatlearn.config.user_code import shipped_code, user_code
 from chatlearn.data.preflight import preflight, record_keys
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
@@ -29,30 +30,42 @@ from chatlearn.runtime.stopping import keep_handlers, on_stop
 from chatlearn.runtime.stream_dataset import StreamDataset
 from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route
 from chatlearn.utils.devices import fake_gpus
+from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, code_dirs_on_path
 
 logger = logging.getLogger("chatlearn")
 
 # Never uploaded with a working_dir: the local environment, history and run outputs.
 ALWAYS_EXCLUDED = [".venv", ".git", "output"]
+# Run in every Ray worker at its start: the user's code folders on its sys.path (chatlearn.utils.imports)
+SETUP_HOOK = f"{code_dirs_on_path.__module__}.{code_dirs_on_path.__name__}"
 
 
-def ray_runtime_env(cfg: ChatLearnConfig) -> dict[str, Any] | None:
+def ray_runtime_env(cfg: ChatLearnConfig) -> dict[str, Any]:
     """`runtime_env` as Ray's runtime env, as ChatLearn builds it: pip, py_modules, excludes, the driver's
     PYTHONPATH, and the working_dir when it is not the current directory. (ChatLearn always uploads it; the
     current directory is left out here because relative paths such as ``./output`` would then resolve inside
-    the uploaded copy on the workers, while the driver writes to the real one.)"""
+    the uploaded copy on the workers, while the driver writes to the real one.)
+
+    The user's code folders (the current directory, the config's folder, those of file-form hooks:
+    `chatlearn.config.user_code`) go to every worker as ``CHATLEARN_CODE_PATH``, and a setup hook appends them
+    to its ``sys.path`` (after the installed packages, so a folder of the project never shadows one). Joining a
+    cluster (``RAY_ADDRESS``), whose other nodes may not share this file system, the hooks' own files are
+    shipped as ``py_modules`` too."""
     env = cfg.runtime_env
-    out: dict[str, Any] = {}
+    env_vars = {CODE_PATH_VAR: os.pathsep.join(code_dirs())}
     if os.environ.get("PYTHONPATH"):  # as ChatLearn: workers on every node see the driver's PYTHONPATH
-        out["env_vars"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
+        env_vars["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    out: dict[str, Any] = {"env_vars": env_vars, "worker_process_setup_hook": SETUP_HOOK}
     if env.pip:
         out["pip"] = list(env.pip)
-    if env.py_modules:
-        out["py_modules"] = list(env.py_modules)
+    shipped = shipped_code(cfg) if os.environ.get("RAY_ADDRESS") else []
+    py_modules = list(dict.fromkeys([*(env.py_modules or []), *shipped]))
+    if py_modules:
+        out["py_modules"] = py_modules
     if env.working_dir and os.path.abspath(env.working_dir) != os.getcwd():
         out["working_dir"] = env.working_dir
         out["excludes"] = list(env.excludes) + ALWAYS_EXCLUDED
-    return out or None
+    return out
 
 
 def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
@@ -216,7 +229,17 @@ def write_placement(run_dir: str, workers: Workers, node_ids: list[str], infos: 
 @contextlib.contextmanager
 def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
            data_checkpoint_path: str = "") -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
-    """Yield (RunHandle, model groups, StreamDataset actor) for a run; everything is torn down on exit."""
+    """Yield (RunHandle, model groups, StreamDataset actor) for a run; everything is torn down on exit.
+
+    While it runs, the driver and every Ray worker find the user's code in the config's code folders
+    (`chatlearn.config.user_code`)."""
+    with user_code(cfg), _launch(cfg, eng, data_checkpoint_path) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def _launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
+            data_checkpoint_path: str) -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
     rt = cfg.runtime
     producer_cfg = cfg.models[eng.plan.producer]
     key = record_keys(eng.modules[eng.plan.producer], producer_cfg.args_dict or {})

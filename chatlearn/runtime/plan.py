@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from chatlearn.config import ChatLearnConfig, EngineChecks, run_checks
 from chatlearn.config.engine_checks import engine_name, module_class_path
 from chatlearn.config.engines import ENGINES
+from chatlearn.config.user_code import user_code
 from chatlearn.models.base_module import BaseModule
 from chatlearn.utils.imports import import_object
 
@@ -103,7 +104,8 @@ def resolve_engine(cfg: ChatLearnConfig, modules: Mapping[str, Any] | None = Non
     run_checks(cfg, [EngineChecks(name, given)])
     spec = ENGINES[name]
     roles = [r for r in spec.roles if r not in spec.optional or r in given or r in cfg.models]
-    by_role = {role: given[role] if role in given else import_object(module_class_path(role, cfg, name), "Class")(role)
-               for role in roles}
+    with user_code(cfg):  # a module class may come from a file next to the config
+        by_role = {role: given[role] if role in given else
+                   import_object(module_class_path(role, cfg, name), "Class")(role) for role in roles}
     trainer_args = cfg.models["ppo_policy"].args_dict if "ppo_policy" in cfg.models else {}
     return ResolvedEngine(name, {m.name: m for m in by_role.values()}, episode_plan(name, by_role, trainer_args))

@@ -1,0 +1,90 @@
+"""The user's own code a config names (reward functions, hooks, module classes) and where it is found.
+
+Besides the installed packages, code is looked up in the current directory, the config file's folder and the
+folders of file-form hooks (``path/to/myreward.py:fn``), in that order (`chatlearn.utils.imports`). The
+driver looks there while `user_code(cfg)` is active (the checks, building the modules, the run); the Ray
+workers get the same folders on their ``PYTHONPATH`` (`chatlearn.runtime.launch.ray_runtime_env`) and, when
+the run joins a cluster whose other nodes do not share this file system, the files themselves as Ray
+``py_modules`` (`shipped_code`).
+"""
+
+import contextlib
+import importlib.metadata
+import os
+from collections.abc import Iterator
+
+from chatlearn.config.root import ChatLearnConfig
+from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, is_file_form
+
+
+def config_dir(cfg: ChatLearnConfig) -> str | None:
+    """The main config file's folder (the loader records it on every model), None for a config built in code."""
+    return next((m.config_dir for m in cfg.models.values() if m.config_dir), None)
+
+
+def hook_specs(cfg: ChatLearnConfig) -> list[str]:
+    """Every ``module:name`` the config names: module classes, reward functions, the relay and eval hooks."""
+    specs = [cfg.runtime.relay_sample_fn, cfg.runtime.eval_post_process_fn]
+    for model in cfg.models.values():
+        args = model.args_dict or {}
+        specs += [args.get("module"), args.get("reward_fn")]
+    return [s for s in dict.fromkeys(specs) if isinstance(s, str) and ":" in s]
+
+
+def _file_of(module_part: str, dirs: list[str]) -> str | None:
+    """Where a file-form hook's file is (absolute, or the first code folder holding it), None if nowhere."""
+    candidates = [module_part] if os.path.isabs(module_part) else [os.path.join(d, module_part) for d in dirs]
+    return next((os.path.abspath(c) for c in candidates if os.path.isfile(c)), None)
+
+
+def user_code_dirs(cfg: ChatLearnConfig) -> list[str]:
+    """The code folders of this config besides the current directory: the config's folder, then the folder of
+    each file-form hook."""
+    base = [d for d in [config_dir(cfg)] if d]
+    search = list(dict.fromkeys([os.getcwd(), *base]))
+    modules = [spec.rsplit(":", 1)[0] for spec in hook_specs(cfg)]
+    files = [_file_of(m, search) for m in modules if is_file_form(m)]
+    return list(dict.fromkeys([os.path.abspath(d) for d in base] + [os.path.dirname(f) for f in files if f]))
+
+
+@contextlib.contextmanager
+def user_code(cfg: ChatLearnConfig) -> Iterator[list[str]]:
+    """While the block runs, this process looks up user code in the config's code folders too (yields all the
+    folders, the current directory first)."""
+    saved = os.environ.get(CODE_PATH_VAR)
+    extra = [d for d in user_code_dirs(cfg) if d not in (saved or "").split(os.pathsep)]
+    if extra:
+        os.environ[CODE_PATH_VAR] = os.pathsep.join([*extra, *([saved] if saved else [])])
+    try:
+        yield code_dirs()
+    finally:
+        if saved is None:
+            os.environ.pop(CODE_PATH_VAR, None)
+        else:
+            os.environ[CODE_PATH_VAR] = saved
+
+
+def shipped_code(cfg: ChatLearnConfig) -> list[str]:
+    """The files and package folders of the hooks that come from the code folders, not from an installed
+    distribution: what a cluster's other nodes need as Ray ``py_modules``."""
+    installed = importlib.metadata.packages_distributions()
+    with user_code(cfg) as dirs:
+        out = []
+        for spec in hook_specs(cfg):
+            module_part = spec.rsplit(":", 1)[0]
+            if is_file_form(module_part):
+                found = _file_of(module_part, dirs)
+                out += [found] if found else []
+                continue
+            top = module_part.split(".")[0]
+            if top in installed:
+                continue
+            for folder in dirs:
+                for candidate in (os.path.join(folder, f"{top}.py"), os.path.join(folder, top)):
+                    if os.path.exists(candidate):
+                        out.append(candidate)
+                        break
+                else:
+                    continue
+                break
+    return list(dict.fromkeys(out))
