@@ -1,11 +1,14 @@
 """`chatlearn` command: `train`, `eval`, `config`, `plan`, `deploy`, `serve`, each `[CONFIG] [key=value ...]`,
 and `server`.
 
-Without CONFIG the embedded default (`configs/default.yaml`) is used. Dotted overrides after the config win
-over everything in the files (`runtime.num_episode=3 models.policy.num_cpu=1`). `train` and `eval` validate
-the config and their engine's needs, with every problem listed, before any Prefect or Ray resource exists;
-`config` prints what ChatLearn's loader would resolve (`--check` adds the engine's checks); `plan` prints
-where every model rank would run on a cluster of `--nodes` x `--gpus-per-node` without starting Ray.
+CONFIG is a YAML file, or the name of a config shipped with the package, without a folder: `default` (the
+embedded default, used without CONFIG), `grpo`, `dpo`, `online_dpo` (the repository's `configs/`, so
+`chatlearn train grpo` works from any directory; a file of that name in the current directory wins). Dotted
+overrides after the config win over everything in the files (`runtime.num_episode=3 models.policy.num_cpu=1`).
+`train` and `eval` validate the config and their engine's needs, with every problem listed, before any Prefect
+or Ray resource exists; `config` prints what ChatLearn's loader would resolve (`--check` adds the engine's
+checks); `plan` prints where every model rank would run on a cluster of `--nodes` x `--gpus-per-node` without
+starting Ray.
 `deploy` registers the config as a Prefect deployment (the UI's run form is the config) that a process
 worker runs, `serve` runs one from this process, `server` keeps the local Prefect server and its UI up.
 
@@ -216,18 +219,18 @@ def main(argv: list[str] | None = None) -> int:
 _COMMANDS: dict[str, tuple[str, str]] = {
     # name: (one-line help, example)
     "train": ("train with a config (default: the embedded tiny PPO run); re-running resumes from the last "
-              "checkpoint", "chatlearn train configs/grpo.yaml runtime.num_episode=3"),
+              "checkpoint", "chatlearn train grpo runtime.num_episode=3"),
     "eval": ("evaluate a policy on the config's eval set",
              "chatlearn eval models.policy.args_dict.model_path=output/default/final/policy"),
     "config": ("print a config resolved, as JSON (as ChatLearn's loader resolves it)",
-               "chatlearn config configs/dpo.yaml --check runtime.num_episode=2"),
+               "chatlearn config dpo --check runtime.num_episode=2"),
     "plan": ("print where every model rank would run on a cluster, as JSON (no Ray started)",
-             "chatlearn plan configs/default.yaml --nodes 2 --gpus-per-node 8"),
+             "chatlearn plan default --nodes 2 --gpus-per-node 8"),
     "deploy": ("register a Prefect deployment of the config on a process work pool: the UI's run form is the "
                "config; a worker runs it (prefect worker start --pool chatlearn)",
-               'chatlearn deploy configs/grpo.yaml --cron "0 3 * * *" --name nightly-grpo --evaluate'),
+               'chatlearn deploy grpo --cron "0 3 * * *" --name nightly-grpo --evaluate'),
     "serve": ("serve a deployment of the config from this process (Prefect's flow.serve: no work pool, no "
-              "worker) until Ctrl-C", 'chatlearn serve configs/default.yaml --cron "*/30 * * * *"'),
+              "worker) until Ctrl-C", 'chatlearn serve default --cron "*/30 * * * *"'),
     "server": ("start the local Prefect server the way `train` does and keep it up until Ctrl-C; prints the UI "
                "address and the PREFECT_API_URL for workers", "chatlearn server"),
 }
@@ -267,7 +270,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="process work pool (created if missing; default: the config's "
                                 "deployment.work_pool, 'chatlearn')")
         p.add_argument("args", nargs="*", metavar="CONFIG|key=value",
-                       help="a YAML config (default: the embedded default), then dotted overrides")
+                       help="a YAML file or a packaged config's name (default, grpo, dpo, online_dpo; default: "
+                            "default), then dotted overrides")
     return parser
 
 

@@ -15,10 +15,12 @@
 from chatlearn.config.engine_checks import EngineChecks
 from chatlearn.config.errors import ConfigError, ConfigWarning
 from chatlearn.config.loader import (
+    configs_dir,
     default_config_path,
     load_config,
     load_config_dict,
     load_yaml_with_includes,
+    packaged_configs,
 )
 from chatlearn.config.model import BatchGenerationConfig, LoraConfig, ModelConfig
 from chatlearn.config.root import ChatLearnConfig, ConfigCheck, collect_problems, run_checks
@@ -36,9 +38,11 @@ __all__ = [
     "RuntimeConfig",
     "RuntimeEnvConfig",
     "collect_problems",
+    "configs_dir",
     "default_config_path",
     "load_config",
     "load_config_dict",
     "load_yaml_with_includes",
+    "packaged_configs",
     "run_checks",
 ]

@@ -18,6 +18,9 @@ Follows ChatLearn 1.0.x's loader so its YAML files work unchanged, and fixes its
 * A relative ``model_config_file`` or prompt path written in an *included* file is looked up next to that
   file first, so ``includes: [path/to/configs/default.yaml]`` works from any folder.
 * ``dotted.key=value`` overrides win over everything in the files.
+* A config named without a folder (``grpo``, ``grpo.yaml``) that is not a file here is the packaged one
+  (:func:`packaged_configs`: the repository's ``configs/``, shipped in the wheel as ``chatlearn/configs``), so
+  an installed package runs its configs from any directory; a file not found lists the packaged names.
 * Every problem (bad override, missing model file, type errors, cross-field checks, the explicit
   ``checks``) comes back in one :class:`~chatlearn.config.errors.ConfigError`.
 """
@@ -46,18 +49,66 @@ from chatlearn.config.root import ChatLearnConfig, ConfigCheck, run_checks, vali
 from chatlearn.config.runtime import RuntimeConfig, RuntimeEnvConfig
 
 __all__ = [
+    "config_path",
+    "configs_dir",
     "deep_merge",
     "default_config_path",
     "load_config",
     "load_config_dict",
     "load_yaml_with_includes",
+    "packaged_configs",
     "resolve_data_paths",
 ]
 
 
+def configs_dir() -> Path:
+    """The packaged configs (the embedded default, one per engine, the tiny model's spec and their data).
+
+    In an installed wheel ``chatlearn/configs`` (pyproject.toml maps the repository's top-level ``configs/``
+    there); in a source checkout or an editable install the repository's ``configs/`` itself. (Not found with
+    ``importlib.resources``: setuptools' editable finder cannot import a mapped folder without ``__init__.py``.)
+    """
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
 def default_config_path() -> Path:
-    """The embedded default: ``configs/default.yaml`` of this repository."""
-    return Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+    """The embedded default: ``default.yaml`` of :func:`configs_dir`."""
+    return configs_dir() / "default.yaml"
+
+
+def packaged_configs() -> dict[str, Path]:
+    """The packaged run configs by name (``grpo`` -> ``.../grpo.yaml``): the YAML files of :func:`configs_dir`
+    with a ``models`` or ``runtime`` section (not ``tiny_llama.yaml``, a model config file they include)."""
+    found = {}
+    for path in sorted(configs_dir().glob("*.yaml")):
+        try:
+            top = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(top, dict) and ("models" in top or "runtime" in top):
+            found[path.stem] = path
+    return found
+
+
+def config_path(name: "str | os.PathLike[str]") -> str:
+    """The file a CONFIG argument names. One rule: a path that exists is that file; otherwise a name without a
+    folder (``grpo`` or ``grpo.yaml``) is the packaged config of that name (:func:`packaged_configs`).
+    Anything else is a ConfigError that lists the packaged names."""
+    path = os.fspath(name)
+    if os.path.isfile(path):
+        return path
+    packaged = packaged_configs()
+    stem = path[: -len(".yaml")] if path.endswith(".yaml") else path
+    if os.path.basename(path) == path and stem in packaged:
+        return str(packaged[stem])
+    hint = ""
+    base = os.path.basename(stem)
+    if base in packaged and base != path:
+        hint = f"; did you mean the packaged {base!r}?"
+    names = ", ".join(packaged) or "none found"
+    raise ConfigError(f"{path}: config file not found{hint} (packaged configs, named without a folder: {names})")
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -475,9 +526,7 @@ def load_config(
         return load_config_dict(source.model_dump(mode="json"), None, overrides, checks)
     if isinstance(source, Mapping):
         return load_config_dict(source, None, overrides, checks)
-    path = os.fspath(source if source is not None else default_config_path())
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path}: config file not found")
+    path = config_path(source if source is not None else default_config_path())
     config_dir = os.path.dirname(os.path.abspath(path))
     missing: Missing = []
     data = _load_file(path, config_dir, "", missing)
