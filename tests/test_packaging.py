@@ -79,6 +79,19 @@ def test_a_missing_config_lists_the_packaged_names(tmp_path, monkeypatch):
     assert info.value.problems == [f"tiny_llama: config file not found {names}"]
 
 
+def test_a_config_of_ones_own_includes_the_packaged_default_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("includes: [default.yaml]\nruntime:\n  exp_name: mine\n")
+    cfg = load_config("mine.yaml")
+    assert cfg.runtime.exp_name == "mine"
+    # the default's own relative files come from the package: its data and the tiny model's spec
+    assert cfg.runtime.data_path == str(Path(REPO) / "configs" / "data" / "max_digit_train.jsonl")
+    assert cfg.models["policy"].args_dict["tiny_model"]["hidden_size"] == 256
+    (tmp_path / "typo.yaml").write_text("includes: [defualt.yaml]\n")
+    with pytest.raises(ConfigError, match="file 'defualt.yaml' not found"):
+        load_config("typo.yaml")
+
+
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
     assert done.returncode == 0, f"{cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -3,8 +3,9 @@
 Follows ChatLearn 1.0.x's loader so its YAML files work unchanged, and fixes its rough edges:
 
 * ``includes:`` (a list, or one name) in any file, resolved against the *main* config's directory unless
-  absolute (falling back to the including file's own directory), recursive, deep-merged so that later
-  includes override earlier ones and the including file overrides all of them; cycles are errors.
+  absolute (falling back to the including file's own directory, then, for a name without a folder such as
+  ``default.yaml``, the packaged configs), recursive, deep-merged so that later includes override earlier ones
+  and the including file overrides all of them; cycles are errors.
 * ``${VAR}`` / ``${VAR:default}`` values (:mod:`chatlearn.config.envvars`), substituted file by file as
   ChatLearn does, and in override values too. A reference with no value and no default becomes ``None``:
   fine where ChatLearn takes ``None`` (a field whose default is ``None``, a backend key in ``args_dict``, a
@@ -254,6 +255,8 @@ def _expand_includes(
         candidates = [expanded] if os.path.isabs(expanded) else [os.path.join(config_dir, expanded)]
         if not os.path.isabs(expanded) and os.path.abspath(own_dir) != os.path.abspath(config_dir):
             candidates.append(os.path.join(own_dir, expanded))
+        if os.path.basename(expanded) == expanded:  # `default.yaml`: the packaged one, when not next to the config
+            candidates.append(str(configs_dir() / expanded))
         found = next((c for c in candidates if os.path.isfile(c)), None)
         if found is None:
             raise ConfigError(
