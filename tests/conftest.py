@@ -70,6 +70,20 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """configs/tiny_qwen2.yaml's tiny Qwen2 (tied embeddings, 4 heads over 2 KV heads), built once per session;
+    a `chatlearn train` with ``models.X.model_config_file=tiny_qwen2.yaml`` finds it through
+    ``CHATLEARN_TINY_QWEN2_DIR``."""
+    import yaml
+
+    from chatlearn.models.hf.tiny import ensure_tiny_model
+
+    with open(os.path.join(REPO, "configs", "tiny_qwen2.yaml")) as f:
+        spec = yaml.safe_load(f)["tiny_model"]
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", spec))
+
+
+@pytest.fixture(scope="session")
 def shared_reference():
     """`../shared/reference` next to the repository (CI has it there too). Missing is a failure, never a skip."""
     path = os.path.join(os.path.dirname(REPO), "shared", "reference")

@@ -78,3 +78,36 @@ def test_broadcast_between_two_processes_is_bit_exact(max_bytes, coalesce):
     # peak extra memory: one bucket at most max_bytes (a larger tensor goes alone, unstaged); none per tensor
     assert stats["staging_bytes"] <= max_bytes if coalesce else stats["staging_bytes"] == 0
     assert stats["bytes"] == sum(t.numel() * t.element_size() for t in state(True).values())
+
+
+def tied_state(fill: bool) -> dict[str, torch.Tensor]:
+    """Tied input/output embeddings: one tensor under two names, with a norm between them."""
+    g = torch.Generator().manual_seed(1)
+    embed = torch.randn(40, 16, generator=g) if fill else torch.zeros(40, 16)
+    return {"embed_tokens.weight": embed, "norm.weight": torch.randn(16, generator=g) if fill else torch.zeros(16),
+            "lm_head.weight": embed}
+
+
+def _tied_worker(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=60))
+    try:
+        mine = tied_state(fill=rank == 0)
+        stats = broadcast_tensors(mine, src=0, max_bytes=1024)  # the 2.5 KiB embedding travels alone
+        if rank == 1:
+            out["equal"] = all(torch.equal(mine[n], t) for n, t in tied_state(True).items())
+            out["tied"] = mine["lm_head.weight"] is mine["embed_tokens.weight"]
+            out["stats"] = stats
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_tied_tensor_is_sent_once_and_the_receiver_stays_tied():
+    assert [s[0] for s in specs_of(tied_state(True))] == ["embed_tokens.weight", "norm.weight"]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_tied_worker, args=(_free_port(), out), nprocs=2, join=True)
+        result = dict(out)
+    assert result["equal"] and result["tied"]
+    assert result["stats"]["bytes"] == (40 * 16 + 16) * 4 and result["stats"]["collectives"] == 2

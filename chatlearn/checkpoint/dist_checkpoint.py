@@ -6,6 +6,9 @@ the manifest (SHA-256 of every file, written last) and renames the directory int
 directory is complete or absent. DCP stores each tensor with its global shape and layout, so a checkpoint
 loads into any world size and any sharding, a single process included (``tests/test_parallel.py``).
 
+Tied weights (names that are one parameter, e.g. tied input/output embeddings) are saved once, under their first
+name; the manifest lists the others as ``aliases`` and loading ties them again (``chatlearn.utils.tied``).
+
 A write that fails is a `RunError` naming the checkpoint and the OS error (DCP's `CheckpointException`
 carries each rank's error; the first OS error among them is reported). Rank 0 removes the temporary
 directory. A rank that fails before a barrier leaves the others waiting there until the group's timeout, as
@@ -40,6 +43,7 @@ from chatlearn.checkpoint.model_checkpoint import (
 )
 from chatlearn.utils.faults import fault_point
 from chatlearn.utils.storage import os_error_of, writing
+from chatlearn.utils.tied import tied_aliases
 
 DCP_FORMAT = "torch-dcp"
 
@@ -61,13 +65,21 @@ def _world_size(group: Any) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """What DCP saves and loads: the model's state dict (by parameter name, sharded where the model is) and
-    the optimizer's, keyed by parameter name too."""
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """What DCP saves and loads: the model's state dict (by parameter name, sharded where the model is), each
+    tied parameter under its first name only, and the optimizer's, keyed by parameter name too (torch keys a
+    tied parameter's state once already); with ``{alias: kept}`` of the names left out.
+
+    The aliases come from the module's own parameter objects (``keep_vars``), the same on every rank whatever
+    its shard holds, so all ranks save and load the same names."""
+    aliases = tied_aliases(model.state_dict(keep_vars=True))
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd}
+        msd, state = get_model_state_dict(model), {}
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"optim": osd}
+    state["model"] = {k: v for k, v in msd.items() if k not in aliases}
+    return state, {k: v for k, v in aliases.items() if k in msd}
 
 
 def _barrier(group: Any) -> None:
@@ -86,7 +98,8 @@ def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
             os.makedirs(tmp)
         _barrier(group)
         try:
-            dcp.save(_state(model, optimizer), checkpoint_id=tmp, process_group=group)
+            state, aliases = _state(model, optimizer)
+            dcp.save(state, checkpoint_id=tmp, process_group=group)
         except CheckpointException as exc:
             found = _os_error_in(exc)
             if found is None:
@@ -100,7 +113,7 @@ def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
         _barrier(group)
         if rank == 0:
             write_manifest(tmp, sorted(os.listdir(tmp)), format=DCP_FORMAT, world_size=_world_size(group),
-                           meta=meta or {})
+                           aliases=aliases, meta=meta or {})
             replace_dir(tmp, path)
     _barrier(group)
     return path
@@ -125,8 +138,10 @@ def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     manifest = verify_model_checkpoint(path)
     if manifest.get("format") != DCP_FORMAT:
         raise ValueError(f"{path}: not a sharded checkpoint")
-    state = _state(model, optimizer)
+    state, aliases = _state(model, optimizer)
     dcp.load(state, checkpoint_id=path, process_group=group)
+    for alias, kept in aliases.items():  # one tensor again: set_state_dict loads every name of the model
+        state["model"][alias] = state["model"][kept]
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:

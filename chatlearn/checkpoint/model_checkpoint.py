@@ -6,6 +6,11 @@ file damaged later is reported instead of silently loaded. Nothing is unpickled 
 safetensors, optimizer/scheduler state from `torch.load(weights_only=True)` (tensors and plain containers
 only), RNG state from JSON.
 
+Tied weights (names of the state dict that are one tensor, e.g. tied input/output embeddings) are written once,
+the other names recorded as aliases in the safetensors header (the `{alias: kept}` metadata safetensors' own
+`save_model` writes, so `safetensors.torch.load_model` reads these files too), and loading puts each alias back
+as the same tensor (`chatlearn.utils.tied`).
+
 A write that fails (disk full, read-only, a file in the way) is a `RunError` naming the checkpoint and the OS
 error, and the temporary directory is removed: the previous checkpoint stays the resume point. torch state goes
 through `torch_save`, so a full disk is an `OSError` with its errno rather than torch's bare "file write
@@ -21,12 +26,14 @@ import shutil
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from chatlearn.utils.faults import fault_point
 from chatlearn.utils.files import fsync_file
 from chatlearn.utils.finite import check_finite_tensors
 from chatlearn.utils.storage import writing
+from chatlearn.utils.tied import restore_aliases, separate_storage, without_aliases
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -83,12 +90,14 @@ def save_model_checkpoint(path: str, weights: dict[str, torch.Tensor], *, optimi
     check_finite_tensors(weights, f"checkpoint {path} not written: weight")
     check_finite_tensors(optimizer, f"checkpoint {path} not written: optimizer state")
     tmp = f"{path}.tmp-{os.getpid()}"
-    cpu_weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    # aliases found on the weights as given (on a GPU each name's copy to the CPU would be a tensor of its own)
+    unique, aliases = without_aliases(weights)
+    cpu_weights = separate_storage({k: v.detach().to("cpu").contiguous() for k, v in unique.items()})
     with writing("checkpoint", path, cleanup=tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         files: list[str] = []
-        save_file(cpu_weights, os.path.join(tmp, "model.safetensors"))
+        save_file(cpu_weights, os.path.join(tmp, "model.safetensors"), metadata=aliases or None)
         files.append("model.safetensors")
         fault_point("checkpoint_write", checkpoint_iteration(path))  # tests: the disk fills up halfway
         for name, obj in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
@@ -180,7 +189,7 @@ def load_model_checkpoint(path: str, map_location: str | torch.device = "cpu") -
     manifest = verify_model_checkpoint(path)
     files = manifest["files"]
     out: dict[str, Any] = {"meta": manifest.get("meta", {})}
-    out["weights"] = load_file(os.path.join(path, "model.safetensors"), device=str(map_location))
+    out["weights"] = load_weights(os.path.join(path, "model.safetensors"), map_location)
     for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt")):
         out[key] = torch.load(os.path.join(path, name), map_location=map_location, weights_only=True) \
             if name in files else None
@@ -190,3 +199,13 @@ def load_model_checkpoint(path: str, map_location: str | torch.device = "cpu") -
     else:
         out["rng"] = None
     return out
+
+
+def load_weights(path: str, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, each alias of its header (see the module docstring) the very tensor of the
+    name it aliases. Header entries that are not aliases (another writer's notes) are left alone."""
+    weights = load_file(path, device=str(map_location))
+    with safe_open(path, "pt") as f:
+        header = f.metadata() or {}
+    aliases = {k: v for k, v in header.items() if k not in weights and v in weights}
+    return restore_aliases(weights, aliases)

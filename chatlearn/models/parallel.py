@@ -22,7 +22,7 @@ Pipeline parallel (``pipeline_model_parallel_size``, alone for now) splits the d
 """
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +34,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from chatlearn.models.pipeline import LMStage, stage_parameters
+from chatlearn.utils.tied import restore_aliases, without_aliases
 
-__all__ = ["DIMS", "ParallelContext", "ParallelDims", "full_tensor", "load_full_tensor", "parallelize", "tp_plan"]
+__all__ = ["DIMS", "ParallelContext", "ParallelDims", "full_tensor", "full_tensors", "load_full_tensor", "parallelize",
+           "tp_plan"]
 
 DIMS = ("pp", "dp", "shard", "tp")
 
@@ -272,6 +274,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: gathered from its shards for a DTensor (a collective: every rank of its mesh calls
     it in the same order), the tensor itself otherwise."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_tensors(tensors: Mapping[str, torch.Tensor],
+                 device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor whole and detached (on ``device`` when given), by name: a collective of the shards' ranks
+    for DTensors, as :func:`full_tensor`. Tied names are gathered (and copied) once and stay one tensor."""
+    unique, aliases = without_aliases(tensors)
+    out = {}
+    for k, v in unique.items():
+        t = full_tensor(v).detach()
+        out[k] = t.to(device) if device is not None else t
+    return restore_aliases(out, aliases)
 
 
 def load_full_tensor(target: torch.Tensor, full: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from chatlearn.checkpoint.model_checkpoint import (
     save_model_checkpoint,
 )
 from chatlearn.models.base_module import BaseModule
-from chatlearn.models.parallel import clip_grad_norm, full_tensor, load_full_tensor, parallelize
+from chatlearn.models.parallel import clip_grad_norm, full_tensors, load_full_tensor, parallelize
 from chatlearn.models.pipeline import PipelinedLM, gather_stages
 from chatlearn.utils.devices import fake_gpus
 from chatlearn.utils.finite import require_finite
@@ -128,10 +128,10 @@ class TorchModule(BaseModule):
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The weights to hand to the inference copies (whole CPU tensors, detached; gathered from shards on
-        every rank of a sharded replica)."""
+        every rank of a sharded replica; tied names one tensor)."""
         assert self.model is not None
         self.gather_stages()
-        return {k: full_tensor(v).detach().to("cpu") for k, v in self.sync_sources().items()}
+        return full_tensors(self.sync_sources(), "cpu")
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load synced weights; every parameter must be present (a silent partial sync is a bug)."""

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from chatlearn.models.parallel import full_tensor, load_full_tensor
+from chatlearn.utils.tied import without_aliases
 
 __all__ = ["SyncError", "SyncGroup", "TensorSpec", "broadcast_tensors", "digest", "plan_buckets", "specs_of",
            "transfer"]
@@ -41,8 +42,11 @@ class SyncError(RuntimeError):
 
 
 def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
-    """(name, global shape, dtype) of each tensor, in the mapping's order (both sides must list the same)."""
-    return [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    """(name, global shape, dtype) of each tensor, in the mapping's order (both sides must list the same).
+
+    Tied names (one tensor under several names, e.g. tied input/output embeddings) are listed once, under
+    the first: the tensor crosses the wire once, and a receiver's copy into it reaches every name it has."""
+    return [(n, tuple(t.shape), t.dtype) for n, t in without_aliases(tensors)[0].items()]
 
 
 def _nbytes(spec: TensorSpec) -> int:

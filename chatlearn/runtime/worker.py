@@ -25,7 +25,7 @@ from chatlearn.models.base_module import BaseModule
 from chatlearn.models.memory import PARTS, MemoryManager
 from chatlearn.models.parallel import ParallelContext, ParallelDims
 from chatlearn.runtime.actor import ModelActor
-from chatlearn.runtime.param_sync import SyncGroup, transfer
+from chatlearn.runtime.param_sync import SyncGroup, specs_of, transfer
 from chatlearn.runtime.profiling import StageMarks
 from chatlearn.utils.devices import fake_gpus
 
@@ -143,7 +143,7 @@ class Worker:
         self._hand_over([name], ("weights",))
         module = self.slots[name].module
         tensors = module.sync_sources() if role == "src" else module.sync_targets()
-        return [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()]
+        return [(n, list(shape), str(dtype).removeprefix("torch.")) for n, shape, dtype in specs_of(tensors)]
 
     def join_sync_group(self, key: str, addr: str, port: int, rank: int, names: list[str], timeout_s: float) -> bool:
         nccl = torch.cuda.is_available() and not fake_gpus() and bool(ray.get_gpu_ids())

@@ -26,13 +26,13 @@ class HFModelArgs(BaseModel):
     model_path: str | None = Field(None, description="local Hugging Face model directory to load")
     tiny_model_path: str | None = Field(
         None, description="where the embedded tiny Llama may be built: when model_path names this directory and "
-        "it holds no model yet, a random-init tiny Llama (spec: tiny_model) is built there first. The one switch "
+        "it holds no model yet, a random-init tiny model (spec: tiny_model) is built there first. The one switch "
         "that builds it; any other model_path that does not exist is an error naming it (a typo is never "
         "silently filled with a random model)"
     )
     tiny_model: dict | None = Field(
-        None, description="spec of the tiny Llama built at tiny_model_path (chatlearn.models.hf.tiny.TinyModelSpec "
-        "fields; default: its defaults)"
+        None, description="spec of the tiny model built at tiny_model_path (chatlearn.models.hf.tiny.TinyModelSpec "
+        "fields, e.g. architecture: llama (default) or qwen2; default: its defaults)"
     )
     temperature: float = Field(1.0, gt=0, description="sampling temperature (also used for log-probs)")
     dtype: str = Field("float32", description="torch dtype of the weights")

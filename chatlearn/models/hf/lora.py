@@ -70,7 +70,7 @@ from chatlearn.checkpoint.model_checkpoint import (
     save_model_checkpoint,
 )
 from chatlearn.config.model import LoraConfig
-from chatlearn.models.parallel import full_tensor
+from chatlearn.models.parallel import full_tensors
 from chatlearn.utils.finite import check_finite_tensors
 
 __all__ = [
@@ -377,7 +377,7 @@ class LoraTrainerMixin:
         """Merged weights under plain HF names when LoRA is on (the inference copies never need peft)."""
         if not self.lora_enabled:
             return super().get_weights()  # type: ignore[misc]
-        return {k: v.detach().to("cpu") for k, v in merged_state_dict(self.model).items()}
+        return full_tensors(merged_state_dict(self.model), "cpu")
 
     def sync_sources(self) -> dict[str, torch.Tensor]:
         """What a collective sync sends: the merged weights under plain HF names when LoRA is on."""
@@ -455,7 +455,7 @@ class LoraTrainerMixin:
         if self.parallel is not None and not self.lora_enabled:
             # every rank gathers (a collective for sharded weights and pipeline stages); rank 0 writes
             self.gather_stages()
-            full = {k: full_tensor(v).detach().cpu() for k, v in self.model.state_dict().items()}
+            full = full_tensors(self.model.state_dict(), "cpu")  # tied weights stay one: written once
             if self.rank != 0:
                 return path
         # NaN weights are a RunError, nothing is written: the exported policy is what users deploy

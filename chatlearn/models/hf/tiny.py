@@ -1,4 +1,4 @@
-"""Build the embedded tiny model: a character-level tokenizer and a random-init Llama, saved locally.
+"""Build the embedded tiny model: a character-level tokenizer and a random-init Llama (or Qwen2), saved locally.
 
 There is no model hub on the machines this project runs on, so the default config points `model_path` at a
 directory that this module fills on first use. Only that directory: the config names it as `tiny_model_path`
@@ -6,6 +6,10 @@ directory that this module fills on first use. Only that directory: the config n
 (`chatlearn.models.hf.common.builds_tiny_model`), so a typo is an error. Everything downstream loads it with
 the ordinary `AutoTokenizer.from_pretrained` / `AutoModelForCausalLM.from_pretrained`, exactly as it would a real
 Hugging Face checkpoint, so the real loading code is what gets exercised.
+
+`architecture: qwen2` builds a Qwen2 instead (configs/tiny_qwen2.yaml): q/k/v biases and, as set there, tied
+input/output embeddings and grouped-query attention, the shape of the small real models (Qwen2.5-0.5B,
+Qwen3-0.6B, Llama-3.2-1B tie their embeddings), so the code paths those need are exercised on CPU too.
 """
 
 import json
@@ -13,12 +17,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 # Characters of the vocabulary: digits first (the verifiable tasks answer in digits), then a few symbols and
@@ -26,11 +31,16 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list("0123456789") + list(" +-*=?:,.>") + list("abcdefghijklmnopqrstuvwxyz")
 
 
+# architecture -> (config class, model class) of the tiny model
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
 class TinyModelSpec(BaseModel):
-    """Shape of the random-init Llama. Defaults give about 2.6 M parameters, fast on two CPU cores."""
+    """Shape of the random-init model. Defaults give a Llama of about 2.6 M parameters, fast on two CPU cores."""
 
     model_config = ConfigDict(extra="forbid")
 
+    architecture: Literal["llama", "qwen2"] = "llama"
     hidden_size: int = 256
     intermediate_size: int = 512
     num_hidden_layers: int = 4
@@ -61,7 +71,8 @@ def build_char_tokenizer():
 
 
 def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None = None) -> Path:
-    """Create tokenizer + random-init `LlamaForCausalLM` at `path` unless a model with the same spec is there.
+    """Create tokenizer + random-init causal LM (`spec.architecture`) at `path` unless a model with the same spec
+    is there.
 
     Written into a temporary sibling directory and renamed into place, so a crash never leaves a half-written
     model that later runs would load. Same spec (including seed) gives bit-identical weights on CPU.
@@ -70,7 +81,7 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
     path = Path(path).expanduser().resolve()
     marker = path / "chatlearn_tiny_spec.json"
     if marker.exists():
-        if json.loads(marker.read_text()) == spec.model_dump():
+        if _same_spec(marker, spec):
             return path
         raise ValueError(
             f"{path} holds a tiny model built with a different spec ({marker.read_text().strip()}); "
@@ -82,7 +93,8 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
         raise ValueError(f"{path} exists and is not a chatlearn tiny model; refusing to overwrite it")
 
     tokenizer = build_char_tokenizer()
-    config = LlamaConfig(
+    config_class, model_class = ARCHITECTURES[spec.architecture]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -98,7 +110,7 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
     state = torch.random.get_rng_state()
     torch.manual_seed(spec.seed)
     try:
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     finally:
         torch.random.set_rng_state(state)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -117,7 +129,7 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
             os.replace(tmp, path)
         except OSError:
             # another process built it concurrently: keep theirs if it is the same spec
-            if marker.exists() and json.loads(marker.read_text()) == spec.model_dump():
+            if marker.exists() and _same_spec(marker, spec):
                 shutil.rmtree(tmp, ignore_errors=True)
                 return path
             raise
@@ -125,3 +137,12 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _same_spec(marker: Path, spec: TinyModelSpec) -> bool:
+    """Whether the model at ``marker``'s directory was built with ``spec`` (a marker written before a field
+    existed holds that field's default)."""
+    try:
+        return TinyModelSpec.model_validate(json.loads(marker.read_text())) == spec
+    except ValueError:
+        return False
