@@ -38,6 +38,9 @@ class GradProbe(PPOPolicyTrainer):
         return {n: full_tensor(p.grad).detach().clone() for n, p in self.model.named_parameters()
                 if p.grad is not None}
 
+    def tied(self) -> bool:
+        return tied(self)
+
 
 # workers cannot import this test file: ship GradProbe by value
 ray.cloudpickle.register_pickle_by_value(__import__(__name__))
@@ -90,12 +93,17 @@ LAYOUTS = {
     "tp2xdp2": {"num_cpu": 4, "tensor_model_parallel_size": 2},
     "pp2": {"num_cpu": 2, "pipeline_model_parallel_size": 2},
 }
+# Layouts run on the tiny Qwen2 (tied embeddings: FSDP2 shards the shared weight once, the pipeline's first and
+# last stages both use it; 2 KV heads split over TP 2); the others on the default's Llama.
+ON_QWEN2 = {"zero2", "tp2", "pp2"}
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_each_layout_gives_one_process_loss_and_gradients(ray_session, tiny_model_dir, tmp_path, layout):
-    shape = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(tiny_model_dir), **LAYOUTS[layout]}
+def test_each_layout_gives_one_process_loss_and_gradients(ray_session, tiny_model_dir, tiny_qwen2_dir, tmp_path,
+                                                          layout):
+    path = tiny_qwen2_dir if layout in ON_QWEN2 else tiny_model_dir
+    shape = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(path), **LAYOUTS[layout]}
     cfg = config({"ppo_policy": shape}, str(tmp_path))
     single_cfg = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1,
                                         "pipeline_model_parallel_size": 1}}, str(tmp_path))
@@ -136,10 +144,17 @@ def test_the_tp_plan_comes_from_transformers_config(tiny_model_dir):
     assert type(plan["model.layers.0.self_attn.o_proj"]).__name__ == "RowwiseParallel"
 
 
+def tied(module) -> bool:
+    """Whether the module's LM head is still its input embedding (one storage), in the process that holds it."""
+    model = module.model
+    return model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
 @pytest.mark.integration
-def test_sharded_checkpoints_load_into_other_world_sizes(ray_session, tiny_model_dir, tmp_path):
-    """ZeRO 2 writes a torch distributed checkpoint; it loads into one process and into TP 2, equal."""
-    base = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(tiny_model_dir)}
+def test_sharded_checkpoints_load_into_other_world_sizes(ray_session, tiny_qwen2_dir, tmp_path):
+    """ZeRO 2 writes a torch distributed checkpoint; it loads into one process and into TP 2, equal. The model
+    has tied embeddings: stored once (the manifest names the alias), tied again in every layout that loads it."""
+    base = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(tiny_qwen2_dir)}
     data = micro_batches()
     saved = {}
     for name, layout in (("zero2", {"num_cpu": 2, "zero_size": 2}), ("tp2", {"num_cpu": 2,
@@ -153,10 +168,15 @@ def test_sharded_checkpoints_load_into_other_world_sizes(ray_session, tiny_model
                 path = ray.get(head.save_checkpoint.remote(3))
                 assert os.path.isfile(os.path.join(path, ".metadata"))
                 saved["weights"] = ray.get(head.get_weights.remote())
+                stored = torch.distributed.checkpoint.FileSystemReader(path).read_metadata().state_dict_metadata
+                assert "model.model.embed_tokens.weight" in stored and "model.lm_head.weight" not in stored
+                manifest = __import__("json").loads(open(os.path.join(path, "manifest.json")).read())
+                assert manifest["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
             else:
                 ray.get(head.load_checkpoint.remote(3))
                 loaded = ray.get(head.get_weights.remote())
                 assert all(torch.equal(loaded[k], saved["weights"][k]) for k in saved["weights"])
+                assert all(ray.get([r.call.remote("tied") for r in workers.groups["ppo_policy"].replicas[0]]))
         finally:
             workers.kill()
     one = GradProbe("ppo_policy")
@@ -165,18 +185,18 @@ def test_sharded_checkpoints_load_into_other_world_sizes(ray_session, tiny_model
     one.setup()
     one.load_checkpoint(3)
     weights = one.get_weights()
-    assert all(torch.equal(weights[k], saved["weights"][k]) for k in saved["weights"])
+    assert all(torch.equal(weights[k], saved["weights"][k]) for k in saved["weights"]) and tied(one)
     # the optimizer state came along: one more identical step from both gives the same weights
     assert one.optimizer.state_dict()["state"], "optimizer state not restored"
 
 
-def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float, trainer: str = "zero2", policy_tp: int = 2,
+def _sync_setup(model_dir, tmp_path, comm: str, bucket_mb: float, trainer: str = "zero2", policy_tp: int = 2,
                 free: bool = False):
     cfg = load_config({"models": {
         "ppo_policy": {"trainable": True, "cpu_per_process": 1, **LAYOUTS[trainer],
-                       "args_dict": model_args(tiny_model_dir)},
+                       "args_dict": model_args(model_dir)},
         "policy": {"num_cpu": 4, "cpu_per_process": 1, "tensor_model_parallel_size": policy_tp,
-                   "args_dict": {"model_path": tiny_model_dir}}},
+                   "args_dict": {"model_path": model_dir}}},
         "runtime": {"sample_per_episode": 8, "output_dir": str(tmp_path), "param_sync_comm_type": comm,
                     "coalesced_buffer_mb": 1, "debug": True, "free_sync_collective_group": free}}, checks=[])
     workers = start(cfg, {"ppo_policy": GradProbe("ppo_policy"), "policy": PolicyInference("policy")})
@@ -198,12 +218,15 @@ def _sync_setup(tiny_model_dir, tmp_path, comm: str, bucket_mb: float, trainer: 
 @pytest.mark.parametrize(("comm", "bucket_mb", "trainer", "policy_tp", "free"), [
     ("broadcast", 0.1, "zero2", 2, False), ("p2p", 8.0, "zero2", 2, False), ("p2p", 0.1, "pp2", 2, False),
     ("broadcast", 0.1, "tp2", 4, True)])
-def test_sharded_trainer_syncs_into_other_shardings_bit_exactly(ray_session, tiny_model_dir, tmp_path, comm,
-                                                                bucket_mb, trainer, policy_tp, free):
+def test_sharded_trainer_syncs_into_other_shardings_bit_exactly(ray_session, tiny_model_dir, tiny_qwen2_dir, tmp_path,
+                                                                comm, bucket_mb, trainer, policy_tp, free):
     """ZeRO 2, PP 2 or TP 2 trainer -> policy TP 2 x 2 replicas or TP 4 over one gloo group; buckets smaller
     (0.1 MiB) and larger (8 MiB) than the largest tensor (the 0.26 MiB embedding); the debug check compares
-    digests too. With ``free_sync_collective_group`` two syncs each join and leave their own group."""
-    workers, by_name, route = _sync_setup(tiny_model_dir, tmp_path, comm, bucket_mb, trainer, policy_tp, free)
+    digests too. With ``free_sync_collective_group`` two syncs each join and leave their own group. The PP 2
+    case runs the tiny Qwen2: its tied embedding crosses once, and every receiver keeps it tied."""
+    qwen2 = trainer == "pp2"
+    workers, by_name, route = _sync_setup(tiny_qwen2_dir if qwen2 else tiny_model_dir, tmp_path, comm, bucket_mb,
+                                          trainer, policy_tp, free)
     try:
         src, dst = workers.groups["ppo_policy"], workers.groups["policy"]
         assert [len(rep) for rep in dst.replicas] == [policy_tp] * (4 // policy_tp)
@@ -214,12 +237,17 @@ def test_sharded_trainer_syncs_into_other_shardings_bit_exactly(ray_session, tin
             before = ray.get(dst.heads[-1].get_weights.remote())
             assert any(not torch.equal(before[k], want[k]) for k in want)
             stats = sync_routes([route], by_name.__getitem__)[route.key]
-            assert stats["bytes"] == sum(t.numel() * t.element_size() for t in want.values())
+            sent = {id(t): t for t in want.values()}.values()  # a tied tensor once
+            assert stats["bytes"] == sum(t.numel() * t.element_size() for t in sent)
+            assert len(sent) == len(want) - qwen2
             for head in dst.heads:
                 got = ray.get(head.get_weights.remote())
                 assert all(torch.equal(got[k], want[k]) for k in want)
                 shards = ray.get(head.ranks[1].call.remote("sync_targets"))
                 assert any(type(t).__name__ == "DTensor" for t in shards.values())  # still TP-sharded
+            if qwen2:
+                assert all(ray.get([by_name[p].__ray_call__.remote(lambda w: tied(w.slots["policy"].module))
+                                    for rep in route.dst_ranks for p in rep]))
             if free:  # every member left the group after the sync
                 assert not any(ray.get([by_name[p].__ray_call__.remote(lambda w: bool(w.sync_groups))
                                         for p in route.members]))

@@ -22,7 +22,7 @@ Pipeline parallel (``pipeline_model_parallel_size``, alone for now) splits the d
 """
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from chatlearn.models.pipeline import LMStage, stage_parameters
+from chatlearn.models.pipeline import LMStage, shared_parameters, stage_parameters, sum_shared_grads
 from chatlearn.utils.tied import restore_aliases, without_aliases
 
 __all__ = ["DIMS", "ParallelContext", "ParallelDims", "full_tensor", "full_tensors", "load_full_tensor", "parallelize",
@@ -98,9 +98,11 @@ class ParallelContext:
     ranks: list[int]
     group: Any
     dim_groups: dict[str, Any] = field(default_factory=dict)
-    # pipeline parallel: this process's stage module and the parameter names each stage owns
+    # pipeline parallel: this process's stage module, the parameter names each stage owns, and those several
+    # stages compute with (tied embeddings; owned by the first of them)
     stage: Any = None
     owned: dict[int, set[str]] = field(default_factory=dict)
+    shared: set[str] = field(default_factory=set)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -155,7 +157,10 @@ class ParallelContext:
 
     def finish_grads(self, model: torch.nn.Module) -> None:
         """Data parallel next to tensor parallel: sum the local gradients over the ``dp`` group (DDP and FSDP
-        have reduced them in the backward already)."""
+        have reduced them in the backward already). Pipeline parallel: sum the gradients of parameters several
+        stages use over the stages (:func:`~chatlearn.models.pipeline.sum_shared_grads`)."""
+        if self.dims.pp > 1 and self.shared:
+            sum_shared_grads(model, self, self.shared)
         if self.dims.dp == 1 or getattr(model, "_chatlearn_reduces_grads", False):
             return
         params = [p for p in model.parameters() if p.requires_grad]
@@ -220,6 +225,7 @@ def parallelize(model: torch.nn.Module, ctx: "ParallelContext | None", trainable
         if dims.size != dims.pp:
             raise ValueError("pipeline parallel next to tensor/data parallel or ZeRO is not supported yet")
         ctx.owned = {i: stage_parameters(model, LMStage(model, i, dims.pp)) for i in range(dims.pp)}
+        ctx.shared = shared_parameters(model, dims.pp)
         ctx.stage = LMStage(model, ctx.coords["pp"], dims.pp)
         return model
     if dims.tp > 1:
@@ -248,13 +254,17 @@ def parallelize(model: torch.nn.Module, ctx: "ParallelContext | None", trainable
     return model
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group: Any = None) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group: Any = None,
+                   counted_elsewhere: Iterable[torch.nn.Parameter] = ()) -> float:
     """Clip the global gradient norm (DTensor gradients of sharded parameters included; with ``pp_group``,
-    each stage's own gradients) as ``torch.nn.utils.clip_grad_norm_`` does; returns the norm before clipping."""
+    each stage's own gradients) as ``torch.nn.utils.clip_grad_norm_`` does; returns the norm before clipping.
+    ``counted_elsewhere``: parameters whose gradient another stage counts (a tied weight's, which every stage
+    that uses it holds whole): clipped here, counted once."""
+    elsewhere = {id(p) for p in counted_elsewhere}
     grads = [p.grad for p in params if p.grad is not None]
     plain = torch.zeros((), dtype=torch.float32)
     sharded = None
-    for g in grads:
+    for g in (p.grad for p in params if p.grad is not None and id(p) not in elsewhere):
         sq = g.detach().float().pow(2).sum()
         if isinstance(sq, DTensor):
             sharded = sq if sharded is None else sharded + sq

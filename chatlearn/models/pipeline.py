@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from transformers.masking_utils import create_causal_mask
 
-__all__ = ["LMStage", "PipelinedLM", "gather_stages", "pipeline_train", "pipelined_logits", "stage_layers",
-           "stage_parameters"]
+__all__ = ["LMStage", "PipelinedLM", "gather_stages", "pipeline_train", "pipelined_logits", "shared_parameters",
+           "stage_layers", "stage_parameters", "sum_shared_grads"]
 
 
 def stage_layers(num_layers: int, stages: int, index: int) -> range:
@@ -61,6 +61,31 @@ def stage_parameters(model: torch.nn.Module, stage: LMStage) -> set[str]:
     if not stage.first:  # the rotary embedding has no parameters; embeddings belong to stage 0 only
         mine -= {id(p) for p in model.model.embed_tokens.parameters()}
     return {n for n, p in model.named_parameters() if id(p) in mine}
+
+
+def shared_parameters(model: torch.nn.Module, stages: int) -> set[str]:
+    """Names (in ``model``) of the parameters that more than one of the ``stages`` computes with: tied
+    input/output embeddings (the first stage's ``embed_tokens`` is the last stage's ``lm_head``)."""
+    users: dict[int, int] = {}
+    for index in range(stages):
+        for p in LMStage(model, index, stages).parameters():
+            users[id(p)] = users.get(id(p), 0) + 1
+    return {n for n, p in model.named_parameters() if users.get(id(p), 0) > 1}
+
+
+@torch.no_grad()
+def sum_shared_grads(model: torch.nn.Module, ctx: Any, shared: set[str]) -> None:
+    """Sum the gradients of the ``shared`` parameters over the stages (a stage without one adds zeros), so
+    every stage holds the whole gradient; every stage calls it, after the backward and before clipping."""
+    group = ctx.dim_groups["pp"]
+    params = dict(model.named_parameters())
+    for name in sorted(shared):
+        p = params[name]
+        if not p.requires_grad:  # frozen (LoRA): no gradient anywhere
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
 
 
 def _peer(ctx: Any, pp_index: int) -> int:

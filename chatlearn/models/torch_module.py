@@ -109,9 +109,14 @@ class TorchModule(BaseModule):
         if self.parallel is None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         else:
-            self.parallel.finish_grads(self.model)
-            pp_group = self.parallel.dim_groups.get("pp") if self.pipelined else None
-            norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm, pp_group)
+            ctx = self.parallel
+            ctx.finish_grads(self.model)
+            pp_group = ctx.dim_groups.get("pp") if self.pipelined else None
+            # a weight several stages use (tied embeddings) has its whole gradient on each: its owner counts it
+            mine = ctx.owned.get(ctx.coords["pp"], set())
+            elsewhere = [p for n, p in self.model.named_parameters() if n in ctx.shared and n not in mine]
+            norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm, pp_group,
+                                  elsewhere)
         require_finite(norm, f"{self.name}: gradient norm", "; the optimizer step was not taken")
         return norm
 
