@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from chatlearn.checkpoint.run_config import RunDirConflict, inspect_run_dir
 from chatlearn.config import ChatLearnConfig, ConfigError, ConfigWarning, EngineChecks, load_config
 from chatlearn.config.engine_checks import engine_name
 from chatlearn.config.engines import ENGINES
@@ -36,7 +37,7 @@ from chatlearn.runtime.placement import PlacementError, plan_placement, uniform_
 from chatlearn.runtime.run_lock import lock_run_dir
 from chatlearn.runtime.stopping import stop_signal, stopping
 from chatlearn.utils.devices import fake_gpus
-from chatlearn.utils.errors import find_run_error
+from chatlearn.utils.errors import UserError, find_user_error
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -95,11 +96,13 @@ def cmd_eval(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
     from chatlearn.data.preflight import preflight
     from chatlearn.runtime.engine import build_engine
+    from chatlearn.runtime.launch import check_local_placement
     from chatlearn.runtime.prefect_server import local_prefect_api
     from chatlearn.runtime.stopping import stop_on_signals
 
     cfg = _load(items, engine="eval")
     engine = build_engine(cfg, engine="eval")
+    check_local_placement(cfg, list(engine.modules))  # a layout this machine cannot hold: one line, now
     preflight(cfg, engine)  # model paths, data, prompt lengths: errors before the Prefect server or Ray start
     # eval writes run_dir/eval.json: one command per run directory, as for train (RunError naming the holder)
     with stop_on_signals(), lock_run_dir(cfg.runtime.run_dir), run_log(cfg.runtime.run_dir), \
@@ -114,6 +117,7 @@ def cmd_train(items: list[str]) -> int:
     from chatlearn.checkpoint.resume import checkpoint_dirs
     from chatlearn.data.preflight import preflight
     from chatlearn.runtime.engine import build_engine
+    from chatlearn.runtime.launch import check_local_placement
     from chatlearn.runtime.prefect_server import local_prefect_api
     from chatlearn.runtime.stopping import stop_on_signals
 
@@ -127,6 +131,12 @@ def cmd_train(items: list[str]) -> int:
         os.environ["RAY_AUTH_MODE"] = "disabled"
     if node is not None and node.rank > 0:  # a DLC worker node: serve Ray until the head is gone
         return serve_as_worker(node, fake_gpus() or None)
+    state = inspect_run_dir(cfg)  # a finished run, or one started with another config (RunDirConflict)
+    if state.complete:
+        print(f"chatlearn: {state.complete_message(cfg)}", file=sys.stderr)
+        return 0
+    if node is None:  # a DLC job's placement needs its nodes: checked against them once they joined
+        check_local_placement(cfg, list(engine.modules))  # a layout this machine cannot hold: said now
     preflight(cfg, engine)  # model paths, data, prompt lengths: errors before the Prefect server or Ray start
     # one run per run directory, taken before the Prefect server starts (the train flow re-enters it in this
     # process); the run and checkpoint directories are checked writable here too
@@ -265,6 +275,12 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--evaluate", action="store_true",
                            help="also register an eval deployment that an automation starts when a run of this "
                                 "deployment completes, evaluating its final/policy")
+        if name == "train":
+            p.add_argument("--resume-with-changes", action="store_true",
+                           help="continue the run in its run directory although this config differs from the one "
+                                "it was started with in fields that change results (otherwise refused, naming "
+                                "them); the run's run_config.json records the change "
+                                "(runtime.resume_with_changes=true)")
         if name == "deploy":
             p.add_argument("--work-pool", default=None,
                            help="process work pool (created if missing; default: the config's "
@@ -294,32 +310,40 @@ def _main(argv: list[str] | None) -> int:
         if ns.command in ("deploy", "serve"):
             return cmd_deploy(ns.args, ns.command, ns.name, ns.cron, ns.on_overlap, ns.evaluate,
                               getattr(ns, "work_pool", None))
+        if ns.command == "train" and ns.resume_with_changes:
+            ns.args = [*ns.args, "runtime.resume_with_changes=true"]
         return {"train": cmd_train, "eval": cmd_eval}[ns.command](ns.args)
-    except ConfigError as exc:
-        print(f"chatlearn: invalid config ({len(exc.problems)} problem(s)):", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  - {problem}", file=sys.stderr)
-        return 2
-    except PlacementError as exc:
-        print(f"chatlearn: {exc}", file=sys.stderr)
-        return 2
-    except DataError as exc:
-        print(f"chatlearn: bad data: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (chatlearn.runtime.stopping.Stopped)
         return _stopped(getattr(exc, "signame", "SIGINT"))
     except Exception as exc:
         if stopping():  # what a stop looked like on its way out (an actor killed for it, Prefect's wrapper)
             return _stopped(stop_signal() or "SIGTERM")
-        # a RunError (a user hook, a NaN, a write that failed, a run directory in use), itself or inside Ray's
-        # RayTaskError (whose own str() is the remote traceback) or an exception chain: one line, the traceback
-        # is in run_dir/chatlearn.log (chatlearn.runtime.console); anything else is a bug of ours and keeps its
+        # an error meant for the user (a config, data, a placement, a user hook, a NaN, a write that failed, a
+        # run directory in use), itself or inside Ray's RayTaskError (whose own str() is the remote traceback)
+        # or an exception chain, whichever layer raised it: its lines without a traceback (that is in
+        # run_dir/chatlearn.log, chatlearn.runtime.console); anything else is a bug of ours and keeps its
         # traceback
-        err = find_run_error(exc)
+        err = find_user_error(exc)
         if err is None:
             raise
-        print(f"chatlearn: error: {err}", file=sys.stderr)
-        return 1
+        return _report(err)
+
+
+def _report(err: UserError) -> int:
+    """Print a user error as its line(s); the exit status: 2 for what was refused before anything ran."""
+    if isinstance(err, ConfigError):
+        print(f"chatlearn: invalid config ({len(err.problems)} problem(s)):", file=sys.stderr)
+        for problem in err.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    if isinstance(err, PlacementError):
+        print(f"chatlearn: {err}", file=sys.stderr)
+        return 2
+    if isinstance(err, DataError):
+        print(f"chatlearn: bad data: {err}", file=sys.stderr)
+        return 2
+    print(f"chatlearn: error: {err}", file=sys.stderr)
+    return 2 if isinstance(err, RunDirConflict) else 1
 
 
 if __name__ == "__main__":

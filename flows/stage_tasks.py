@@ -29,7 +29,7 @@ from chatlearn.models.hf.reward import hook_name, score_samples, text_samples
 from chatlearn.runtime.evaluation import eval_metrics, eval_results
 from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle, forget_peers, settle_peers
 from chatlearn.runtime.reporting import artifact_key
-from chatlearn.runtime.schedule import every
+from chatlearn.runtime.schedule import checkpoint_due, every
 from chatlearn.runtime.sync import sync_routes
 from chatlearn.runtime.waiting import StageClock
 from chatlearn.utils.errors import RunError, find_run_error
@@ -225,7 +225,8 @@ def sync(run: RunHandle, episode: int, trained: dict | None = None) -> dict[str,
 @task(name="checkpoint", cache_policy=NO_CACHE)
 @in_stage("checkpoint")
 def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
-    """Every `save_episode_interval` episodes, the model actors save their state and the relay its window.
+    """Every `save_episode_interval` episodes and after the last one, the model actors save their state and the
+    relay its window.
 
     The data checkpoint record that makes these the run's restart point is written by the train flow after
     the episode (it is the commit), so a crash in between only wastes this episode's work.
@@ -234,7 +235,7 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
     t0 = time.perf_counter()
     paths: dict[str, str | None] = {}
     relay_path = None
-    if every(run.save_episode_interval, episode):
+    if checkpoint_due(run.save_episode_interval, episode, run.num_episode):
         clock = StageClock("checkpoint", episode, run.stage_timeout_s)
         iteration = trained["iteration"]
         calls = {name: run.heads(name)[0].save_checkpoint.remote(iteration) for name in run.checkpoint_models}

@@ -7,19 +7,22 @@ artifacts. What is restored on resume and what a checkpoint record holds is `cha
 """
 
 import json
+import os
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import ray
-from prefect import get_run_logger
+from prefect import get_client, get_run_logger
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
@@ -31,6 +34,7 @@ from chatlearn.checkpoint.resume import (
     restore_driver_and_relay,
     resume_point,
 )
+from chatlearn.checkpoint.run_config import inspect_run_dir, record_progress, record_start
 from chatlearn.config import ChatLearnConfig
 from chatlearn.data.preflight import preflight
 from chatlearn.models.parallel import ParallelDims
@@ -67,7 +71,7 @@ def _train(config: ConfigParam | None = None, config_path: str | None = None, ov
         engine: the engine (`rlhf`, `grpo`, `dpo`, `online_dpo`); default: `runtime.engine`
     """
     t_start = time.perf_counter()
-    cfg = config_of(config, config_path, overrides)
+    cfg = deployment_run(config_of(config, config_path, overrides))
     eng = resolve_engine(cfg, modules, engine)  # raises ConfigError before any actor exists
     preflight(cfg, eng)  # model paths, data, prompt lengths (ConfigError, DataError); `launch` reuses its records
     run_dir = Path(cfg.runtime.run_dir)
@@ -91,8 +95,23 @@ def _train_locked(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_st
     actors are torn down, a fresh set is started, and the run resumes from its last checkpoint as a re-run
     would (exact), at most `runtime.max_restarts` times (`chatlearn.runtime.recovery`).
     """
+    # complete, a continuation, refused (a config that changes results: RunDirConflict) or started over
+    state = inspect_run_dir(cfg)
+    if state.complete:
+        msg = state.complete_message(cfg)
+        get_run_logger().info(msg)
+        sys.stderr.write(f"chatlearn: {msg}\n")
+        summary = run_dir / "summary.json"
+        return json.loads(summary.read_text()) if summary.is_file() else {}
+    if state.start_over:
+        msg = (f"runtime.enable_resume_training is false: starting over in {run_dir}; the earlier run's "
+               f"{state.record.get('episodes_done', 0)} episode(s) of metrics, checkpoints and final policy are "
+               "replaced as this run writes its own")
+        get_run_logger().warning(msg)
+        sys.stderr.write(f"chatlearn: warning: {msg}\n")
     run_dir.mkdir(parents=True, exist_ok=True)
     claim_run_dir(run_dir)  # a SIGKILLed earlier run here still shows Running: mark it Crashed, record us
+    record_start(cfg, state)
     restarts = 0
     progress: dict[str, Any] = {}
     previous: ProcessLost | None = None
@@ -169,6 +188,26 @@ def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, gr
     startup = time.perf_counter() - t_start
     sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
     return _run_episodes(cfg, run, groups, run_dir, resumed, startup, params.get(eng.plan.export, {}), progress)
+
+
+def deployment_run(cfg: ChatLearnConfig) -> ChatLearnConfig:
+    """A deployment's runs (scheduled, from the UI, triggered) each get their own run directory,
+    ``run_dir/<deployment>-<scheduled time, UTC>``, unless ``deployment.runs: continue``: a later run would
+    otherwise find the first one complete and do nothing, or be refused once the form changed a field. A retry
+    of the same flow run keeps its scheduled time, so it resumes its own directory."""
+    ctx = FlowRunContext.get()
+    flow_run = ctx.flow_run if ctx is not None else None
+    if flow_run is None or flow_run.deployment_id is None or cfg.deployment.runs == "continue":
+        return cfg
+    with get_client(sync_client=True) as client:
+        name = client.read_deployment(flow_run.deployment_id).name
+    when = (flow_run.expected_start_time or flow_run.created or datetime.now(UTC)).astimezone(UTC)
+    exp = f"{name}-{when:%Y%m%d-%H%M%S}"
+    rt = cfg.runtime
+    update: dict[str, Any] = {"exp_name": exp}
+    if rt.data_checkpoint_path:  # an explicit record folder would be shared by every run otherwise
+        update["data_checkpoint_path"] = os.path.join(rt.data_checkpoint_path, exp)
+    return cfg.model_copy(update={"runtime": rt.model_copy(update=update)})
 
 
 def _show_outputs(cfg: ChatLearnConfig, last: dict[str, Any]) -> None:
@@ -279,6 +318,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             reporter.record(metrics)
             if metrics["checkpoint_paths"]:
                 path = commit_data_checkpoint(cfg, store, metrics)
+                record_progress(cfg, episode + 1)
                 progress["committed"] = True
                 create_markdown_artifact(
                     key=reporter.artifact_key("data-checkpoint"),
@@ -304,4 +344,5 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         summary.with_suffix(".json.tmp").write_text(json.dumps(json_safe(last), default=str, indent=1,
                                                                allow_nan=False))
         summary.with_suffix(".json.tmp").replace(summary)  # never half a summary
+    record_progress(cfg, rt.num_episode, final_policy=last.get("final_policy"), finished=True)
     return last

@@ -117,6 +117,7 @@ DECLARED_EXTRAS = {
         "enable_eval_before_training": False,
         "max_restarts": 3,
         "stage_timeout_s": 3600.0,
+        "resume_with_changes": False,
     },
 }
 ALL_FIELDS = {cls: {**fields, **DECLARED_EXTRAS.get(cls, {})} for cls, fields in REFERENCE.items()}

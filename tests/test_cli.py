@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from chatlearn.cli import main
+from chatlearn.config.loader import default_config_path
 from tests.conftest import REPO
 
 CLI = [sys.executable, "-m", "chatlearn.cli"]
@@ -73,8 +74,10 @@ def test_train_rejects_a_bad_config_before_starting_anything(tmp_path):
               env={"CHATLEARN_PREFECT_HOME": str(tmp_path)})
     assert res.returncode == 2
     assert "  - runtime.sample_per_episode: must be > 0, got 0" in res.stderr.splitlines()
-    assert "  - models.reward.args_dict.reward_fn: 'nowhere:fn': cannot import module 'nowhere': " \
-           "No module named 'nowhere'" in res.stderr.splitlines()
+    # where it looked: the command's directory and the config's folder (the embedded default's)
+    assert "  - models.reward.args_dict.reward_fn: 'nowhere:fn': cannot import module 'nowhere': no module named " \
+           f"'nowhere': not installed, and no nowhere.py or nowhere/ in {REPO} (the current directory), " \
+           f"{os.path.dirname(default_config_path())}" in res.stderr.splitlines()
     assert not (tmp_path / "server.json").exists()  # no Prefect server was started
 
 
@@ -140,18 +143,31 @@ def test_plan_prints_chatlearns_placement_without_ray(capsys):
 def test_plan_and_train_refuse_a_cluster_too_small_with_the_same_error(capsys, tmp_path):
     code, _, err = run_here(capsys, "plan", "--gpus-per-node", "0", *GPU_LAYOUT)
     assert code == 2
-    gpu_line = "  GPUs: 6 required, 0 available (1 node(s): 0 GPUs); per model: colocation group " \
-               "'policy,reference,reward,value' 4 (policy 4, reference 2, reward 2, value 2); ppo_policy 1; ppo_value 1"
-    assert err.splitlines() == ["chatlearn: placement: the config needs more than the cluster has:", gpu_line]
+    assert err.splitlines() == [
+        "chatlearn: placement: the config needs more than the cluster has: GPUs: 6 required, 0 available (1 node(s): "
+        "0 GPUs); per model: colocation group 'policy,reference,reward,value' 4 (policy 4, reference 2, reward 2, "
+        "value 2); ppo_policy 1; ppo_value 1"]
 
 
-@pytest.mark.integration
-def test_train_refuses_a_cluster_too_small_before_any_actor(tmp_path):
-    res = run("train", *GPU_LAYOUT, f"runtime.output_dir={tmp_path}", env={"CHATLEARN_FAKE_GPUS": "2"})
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert "chatlearn: placement: the config needs more than the cluster has:" in res.stderr
-    assert "  GPUs: 6 required, 2 available (1 node(s): 2 GPUs); per model: colocation group" in res.stderr
-    assert not (tmp_path / "default" / "metrics.jsonl").exists()
+def test_train_refuses_a_layout_this_machine_cannot_hold_in_one_line_before_anything_starts(capsys, tmp_path,
+                                                                                             monkeypatch):
+    """A local run knows the machine's devices (here 2 declared GPUs): the plan is checked before the Prefect
+    server, Ray or the run directory exist, and the terminal shows the one line."""
+    import chatlearn.runtime.prefect_server as prefect_server
+
+    def started(*args, **kwargs):
+        raise AssertionError("the Prefect server was started")
+
+    monkeypatch.setattr(prefect_server, "local_prefect_api", started)
+    monkeypatch.setenv("CHATLEARN_FAKE_GPUS", "2")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, _, err = run_here(capsys, "train", *GPU_LAYOUT, f"runtime.output_dir={tmp_path}")
+    assert code == 2
+    assert err.splitlines() == [
+        "chatlearn: placement: the config needs more than the cluster has: GPUs: 6 required, 2 available (1 node(s): "
+        "2 GPUs); per model: colocation group 'policy,reference,reward,value' 4 (policy 4, reference 2, reward 2, "
+        "value 2); ppo_policy 1; ppo_value 1"]
+    assert not (tmp_path / "default").exists()
 
 
 @pytest.mark.parametrize("command", ["train", "eval", "config", "plan", "deploy", "serve", "server"])

@@ -171,3 +171,27 @@ def test_a_node_lost_mid_run_fails_naming_it_when_the_layout_no_longer_fits(pref
     assert len(errors) == 1, err[-3000:]
     assert "left the cluster" in errors[0] and "no longer fits the remaining cluster" in errors[0], errors[0]
     assert second.node_id[:12] in errors[0], errors[0]
+
+
+def test_a_cluster_too_small_is_one_line_without_a_traceback(prefect_api, tiny_model_dir, tmp_path):
+    # joining a cluster, the plan needs the live nodes, so the layout is checked inside the train flow (after
+    # the Prefect flow run exists): still the one line on the terminal, no traceback, nothing written
+    from prefect.settings import PREFECT_API_URL
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3))
+    try:
+        env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+                   PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=cluster.address)
+        res = subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *SMALL, *GPU_LAYOUT,
+                              "runtime.exp_name=too-small"], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        cluster.shutdown()
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "Finished in state Failed" not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.splitlines()[-1] == (
+        "chatlearn: placement: the config needs more than the cluster has: GPUs: 4 required, 3 available (1 node(s): "
+        "3 GPUs); per model: colocation group 'policy,reference,value' 3 (policy 3, reference 1, value 2); colocation "
+        "group 'ppo_policy,ppo_value' 1 (ppo_policy 1, ppo_value 1)"), res.stderr[-3000:]
+    assert not (tmp_path / "too-small" / "metrics.jsonl").exists()

@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from chatlearn.utils.errors import UserError
 from chatlearn.utils.faults import fault_point
 from chatlearn.utils.files import fsync_file
 from chatlearn.utils.finite import check_finite_tensors
@@ -39,7 +40,7 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names the path."""
 
 

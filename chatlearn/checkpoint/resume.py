@@ -37,13 +37,12 @@ def data_checkpoint_dir(cfg: ChatLearnConfig) -> str:
 
 
 def checkpoint_dirs(cfg: ChatLearnConfig) -> list[tuple[str, str]]:
-    """(directory, what) of every directory this config's checkpoints go to, [] when it saves none: the
+    """(directory, what) of every directory this config's checkpoints go to: the
     model checkpoints' `run_dir/checkpoints` (`BaseModule.checkpoint_dir` puts each model's under it) and the
     data checkpoint directory. The run checks them up front (`chatlearn.runtime.run_lock.lock_run_dir`), so a
-    path that is a file or read-only fails before anything starts rather than at the first checkpoint."""
+    path that is a file or read-only fails before anything starts rather than at the first checkpoint. Every
+    training run writes them: the last episode always checkpoints (`chatlearn.runtime.schedule.checkpoint_due`)."""
     rt = cfg.runtime
-    if not rt.save_episode_interval:
-        return []
     return [(os.path.join(rt.run_dir, "checkpoints"), "model checkpoint directory"),
             (data_checkpoint_dir(cfg), "data checkpoint directory")]
 

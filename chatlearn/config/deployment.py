@@ -34,6 +34,12 @@ class DeploymentConfig(Section):
     work_pool: str = Field(
         default="chatlearn", description="process work pool whose worker runs `chatlearn deploy` deployments"
     )
+    runs: Literal["separate", "continue"] = Field(
+        default="separate",
+        description="'separate': each run of the deployment (scheduled, from the UI, triggered) writes its own run "
+        "directory, run_dir/<deployment>-<scheduled time, UTC>; 'continue': every run continues the one run in "
+        "run_dir (resumes it; once it trained num_episode episodes a run ends at once, complete)",
+    )
 
     @field_validator("cron")
     @classmethod

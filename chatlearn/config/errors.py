@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from chatlearn.utils.errors import UserError
+
 __all__ = ["ConfigError", "ConfigWarning", "closest_name", "did_you_mean", "problems_from_validation_error"]
 
 # How alike a misspelt key and a known name must be (difflib's ratio) for "did you mean X?": low enough for a
@@ -14,7 +16,7 @@ __all__ = ["ConfigError", "ConfigWarning", "closest_name", "did_you_mean", "prob
 SUGGEST_CUTOFF = 0.7
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """Every problem found in a config, each as ``"dotted.path: message"``; ``str()`` lists one per line."""
 
     def __init__(self, problems: str | Sequence[str]) -> None:

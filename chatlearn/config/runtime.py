@@ -163,6 +163,13 @@ class RuntimeConfig(Section):
         description="seconds one episode stage (generate, score, train, sync, checkpoint, eval) may take before "
         "the run fails naming the stage and the model",
     )
+    # -- the run directory keeps its run (not in ChatLearn, which overwrites an earlier run's results) --
+    resume_with_changes: bool = Field(
+        default=False,
+        description="continue the run in run_dir although this config differs from the one it was started with "
+        "in fields that change results (data, models, algorithm, seed, optimizer); its run_config.json records "
+        "the change. Without it such a start is refused, naming the fields (chatlearn train --resume-with-changes)",
+    )
 
     @field_validator("colocation", mode="before")
     @classmethod

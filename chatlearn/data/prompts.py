@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from chatlearn.utils.errors import UserError
+
 _BOM = b"\xef\xbb\xbf"
 _JSON_SPACE = " \t\r"  # what may surround a JSONL record besides the newline (str.strip() takes more)
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A prompt file that cannot be used; the message names the file (and line)."""
 
 

@@ -1,11 +1,12 @@
-"""The terminal of `chatlearn train` / `eval`: a failure that is a `RunError` reads as one line there, and its
-traceback goes to the run's log file, `run_dir/chatlearn.log`.
+"""The terminal of `chatlearn train` / `eval`: a failure that is a user error (`chatlearn.utils.errors`: a config,
+data, a placement, a `RunError`) reads as its line there, and its traceback goes to the run's log file,
+`run_dir/chatlearn.log`.
 
 Prefect logs a failed task run and each flow run it fails (the episode subflow, the train flow) with the whole
 traceback, through the console handler it puts on the root logger: one reward hook that raised would print
 three tracebacks, and three "Finished in state Failed(...)" lines, before the CLI's own
 ``chatlearn: error: <message>``. While `run_log` is active, every log record of the process also goes to the
-log file, and a filter on the console handlers drops the records of a RunError's failure: those that carry it
+log file, and a filter on the console handlers drops the records of a user error's failure: those that carry it
 (``exc_info``) and, after one did, Prefect's "Finished in state Failed / NotReady" lines. Everything else (progress,
 warnings, the traceback of any other exception, which is a bug of ours and must show) reaches the terminal as
 before. A filter rather than a Prefect logging config of our own (PREFECT_LOGGING_SETTINGS_PATH): the user's
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from chatlearn.runtime.stopping import stopping
-from chatlearn.utils.errors import find_run_error
+from chatlearn.utils.errors import find_user_error
 
 LOG_NAME = "chatlearn.log"
 LOG_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
@@ -28,13 +29,13 @@ LOG_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
 logger = logging.getLogger("chatlearn")
 
 
-class RunErrorConsoleFilter(logging.Filter):
-    """Drops, on a console handler, what Prefect logs about a failure that holds a RunError (the CLI prints
+class UserErrorConsoleFilter(logging.Filter):
+    """Drops, on a console handler, what Prefect logs about a failure that holds a user error (the CLI prints
     that as one line; the log file keeps the records)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.run_error_seen = False
+        self.user_error_seen = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -42,12 +43,12 @@ class RunErrorConsoleFilter(logging.Filter):
             prefect = record.name.startswith("prefect")
             return exc is None and not (prefect and (record.levelno >= logging.ERROR
                                                      or record.getMessage().startswith("Finished in state")))
-        if exc is not None and find_run_error(exc) is not None:
-            self.run_error_seen = True
+        if exc is not None and find_user_error(exc) is not None:
+            self.user_error_seen = True
             return False
         # Prefect's summary of each failed run (Failed) and of the tasks that then never ran (NotReady) come after
         # the traceback record, in the same thread
-        if self.run_error_seen and record.name.startswith("prefect"):
+        if self.user_error_seen and record.name.startswith("prefect"):
             message = record.getMessage()
             return not (message.startswith("Finished in state") and not message.startswith("Finished in state Comp"))
         return True
@@ -75,7 +76,7 @@ def _console_handlers(root: logging.Logger) -> list[logging.Handler]:
 @contextlib.contextmanager
 def run_log(run_dir: str | os.PathLike) -> Iterator[Path]:
     """While the block runs: every log record also goes to ``run_dir/chatlearn.log`` (yielded), and the console
-    drops what Prefect logs about a RunError's failure. An exception holding a RunError that leaves the block is
+    drops what Prefect logs about a user error's failure. An exception holding a user error that leaves the block is
     logged there with its whole traceback (chain included: the user's hook, the Ray task, the stage) before it
     goes on to the CLI, which prints its one line."""
     # lazy: Prefect loads only for the commands that run something. Its logging is set up first: set up after
@@ -85,7 +86,7 @@ def run_log(run_dir: str | os.PathLike) -> Iterator[Path]:
     ensure_logging_setup()
     root = logging.getLogger()
     handler = _open_log(run_dir)
-    console_filter = RunErrorConsoleFilter()
+    console_filter = UserErrorConsoleFilter()
     consoles = _console_handlers(root)
     root.addHandler(handler)
     for console in consoles:
@@ -93,9 +94,9 @@ def run_log(run_dir: str | os.PathLike) -> Iterator[Path]:
     try:
         yield Path(handler.baseFilename)
     except Exception as exc:
-        if find_run_error(exc) is not None:
-            # the console filter drops this record (it carries the RunError); the file gets the traceback
-            logger.error("the run stopped: %s", find_run_error(exc), exc_info=exc)
+        if find_user_error(exc) is not None:
+            # the console filter drops this record (it carries the user error); the file gets the traceback
+            logger.error("the run stopped: %s", find_user_error(exc), exc_info=exc)
         raise
     finally:
         for console in consoles:

@@ -43,6 +43,7 @@ class RunHandle(BaseModel):
     group_size: int = Field(1, description="responses per prompt (the producer's num_inference_per_prompt)")
     sync_frequency: dict[str, int] = Field(default_factory=dict, description="per model receiving weights")
     save_episode_interval: int | None = None
+    num_episode: int = Field(0, description="runtime.num_episode (the last episode always checkpoints)")
     eval_episode_interval: int = 0
     checkpoint_models: list[str] = Field(default_factory=list, description="models that save checkpoints")
     eval_post_process_fn: str | None = None

@@ -99,6 +99,32 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     return True
 
 
+def local_gpus() -> int:
+    """The GPUs a local Ray started here would have: ``CHATLEARN_FAKE_GPUS``, else what Ray's own detection
+    finds (the visible NVIDIA devices), 0 when it cannot tell."""
+    if fake_gpus():
+        return fake_gpus()
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource  # Ray's ray.init uses it
+
+        manager = get_accelerator_manager_for_resource("GPU")
+        count = manager.get_current_node_num_accelerators()
+        visible = manager.get_current_process_visible_accelerator_ids()
+        return min(count, len(visible)) if visible is not None else count
+    except Exception:  # no driver library, an unknown platform: a machine without GPUs Ray can use
+        return 0
+
+
+def check_local_placement(cfg: ChatLearnConfig, names: list[str]) -> None:
+    """For a run that starts its own local Ray (no ``RAY_ADDRESS``; the caller knows it is no DLC job), the plan
+    against this machine before anything starts: a layout it cannot hold is a PlacementError now, one message,
+    instead of after the Prefect server and Ray came up. CPUs never limit a local run (its Ray gets at least
+    what the plan asks, `init_ray`). A run joining a cluster is checked against the live nodes in `launch`."""
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    plan_placement(cfg, names, [NodeSpec(local_gpus(), None)])
+
+
 @contextlib.contextmanager
 def loopback_only() -> Iterator[None]:
     """Start a local Ray that listens on 127.0.0.1 only, with token authentication.
@@ -166,7 +192,8 @@ def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, pre
         generation_batch_size=cfg.models[plan.producer].generation_batch_size or rt.generation_batch_size,
         shuffle_seed=rt.shuffle_seed, group_size=group_size(cfg, plan.producer),
         sync_frequency={dst: cfg.models[dst].sync_frequency for _, dst in plan.sync},
-        save_episode_interval=rt.save_episode_interval, eval_episode_interval=rt.eval_episode_interval,
+        save_episode_interval=rt.save_episode_interval, num_episode=rt.num_episode,
+        eval_episode_interval=rt.eval_episode_interval,
         checkpoint_models=models_to_checkpoint(cfg, plan.trainers, plan.sync) if plan.trainers else [],
         eval_post_process_fn=rt.eval_post_process_fn,
         rule_rewards=rule_rewards(cfg, eng),

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatlearn.config import ChatLearnConfig, ModelConfig
+from chatlearn.utils.errors import UserError
 
 __all__ = [
     "NodeSpec",
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 
-class PlacementError(ValueError):
+class PlacementError(UserError, ValueError):
     """The config does not fit the cluster; the message lists what is required and what is available."""
 
 
@@ -297,7 +298,7 @@ def plan_placement(cfg: ChatLearnConfig, names: Sequence[str], nodes: Sequence[N
     units = _units(cfg, names)
     problems = _problems_of_units(units, shapes)
     if problems:
-        raise PlacementError("placement: " + "\n  ".join(["the config cannot be placed:", *problems]))
+        raise PlacementError("placement: the config cannot be placed: " + ". ".join(problems))
 
     # totals first: one clear message instead of a fragmentation error
     gpu_units = [u for u in units if shapes[u[0]].kind == "gpu"]
@@ -318,7 +319,8 @@ def plan_placement(cfg: ChatLearnConfig, names: Sequence[str], nodes: Sequence[N
                        f"{', '.join(f'{n.cpus:g}' for n in nodes)} CPUs); per model: "
                        f"{_need_text(units, shapes, 'cpu')}")
     if lacking:
-        raise PlacementError("placement: the config needs more than the cluster has:\n  " + "\n  ".join(lacking))
+        # one line, each kind of device a sentence: what the terminal shows, before anything starts
+        raise PlacementError("placement: the config needs more than the cluster has: " + ". ".join(lacking))
     warnings = []
     if gpus_available > gpus_required and gpus_required > 0:
         warnings.append(f"{gpus_available - gpus_required} of {gpus_available} GPUs are not used by any model "

@@ -1,17 +1,24 @@
-"""Errors a user can act on, raised while a run is going: each one reads as one line on the terminal.
+"""Errors a user can act on: each one reads as one line (a config's: one per problem) on the terminal, without a
+traceback, whichever layer raises it (the CLI, the train flow, a stage task, a Ray actor).
 
-`ConfigError` (chatlearn.config) and `DataError` (chatlearn.data.prompts) are found before a run starts;
-`RunError` is everything found once it runs: a user hook that raised or returned a non-number, a non-finite
-reward or loss, a stage past its timeout, a checkpoint that cannot be written, a model process lost more often
-than the retries allow. The message says where (episode, stage, model, sample, hook, path) and what; the
-traceback, when there is one, goes to the run's log file, not to the terminal. The CLI prints
-``chatlearn: error: <message>`` and exits 1.
+They are all `UserError`s. `ConfigError` (chatlearn.config), `DataError` (chatlearn.data.prompts),
+`PlacementError` (chatlearn.runtime.placement) and `CheckpointError` (chatlearn.checkpoint) are mostly found
+before a run starts. `RunError` is everything found once it runs: a user hook that raised or returned a
+non-number, a non-finite reward or loss, a stage past its timeout, a checkpoint that cannot be written, a model
+process lost more often than the retries allow, a run directory that holds another run. The message says where
+(episode, stage, model, sample, hook, path) and what; the traceback, when there is one, goes to the run's log
+file, not to the terminal. The CLI prints ``chatlearn: error: <message>`` and exits 1 (2 for what was refused
+before anything started: a config, data, a placement).
 """
 
 from typing import Any
 
 
-class RunError(RuntimeError):
+class UserError(Exception):
+    """An error meant for the user, with a message that says what to do (see the module docstring)."""
+
+
+class RunError(UserError, RuntimeError):
     """A failure of a running run, with a message that names where it happened and what to do."""
 
     def __init__(self, message: str) -> None:
@@ -26,8 +33,8 @@ class RunError(RuntimeError):
         return (type(self), (self.message,))
 
 
-def find_run_error(exc: BaseException | None) -> RunError | None:
-    """The RunError inside ``exc``: itself, a Ray ``RayTaskError`` wrapping one (``.cause``), or one in its
+def find_user_error(exc: BaseException | None, kind: type[UserError] = UserError) -> UserError | None:
+    """The ``kind`` of error inside ``exc``: itself, one a Ray ``RayTaskError`` wraps (``.cause``), or one in its
     ``__cause__`` / ``__context__`` chain; None when there is none."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
@@ -36,10 +43,16 @@ def find_run_error(exc: BaseException | None) -> RunError | None:
         # remote traceback
         cause = getattr(exc, "cause", None)
         if isinstance(cause, BaseException):
-            found = find_run_error(cause)
+            found = find_user_error(cause, kind)
             if found is not None:
                 return found
-        if isinstance(exc, RunError):
+        if isinstance(exc, kind):
             return exc
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def find_run_error(exc: BaseException | None) -> RunError | None:
+    """The RunError inside ``exc`` (see `find_user_error`)."""
+    found = find_user_error(exc, RunError)
+    return found if isinstance(found, RunError) else None
