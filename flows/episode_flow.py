@@ -10,6 +10,7 @@ a thread. Stateless CPU work of an episode (rule rewards) is fanned out as Ray t
 from typing import Any
 
 from prefect import flow
+from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from chatlearn.runtime.handles import RunHandle
@@ -19,8 +20,13 @@ from chatlearn.utils.faults import crash_point
 from flows.stage_tasks import checkpoint, evaluate, generate, score, sync, train
 
 
+def _run_name() -> str:
+    """`episode-N` counted from 1, as the terminal and the errors count (`episode` is the 0-based index)."""
+    return f"episode-{flow_run.parameters['episode'] + 1}"
+
+
 # six stage tasks at most wait at once (each blocks on its upstream future, then on its actors)
-@flow(name="episode", flow_run_name="episode-{episode}", task_runner=ThreadPoolTaskRunner(max_workers=6),
+@flow(name="episode", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=6),
       validate_parameters=False)
 def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int) -> dict[str, Any]:
     """Run one episode; returns its metrics (small numbers only)."""

@@ -49,7 +49,7 @@ def stage_error(exc: BaseException, stage: str, episode: int | None) -> RunError
         return None
     if err.message.startswith(("episode ", f"{stage}:")):
         return err if exc is err else RunError(err.message)
-    where = f"episode {episode}, {stage}" if episode is not None and episode >= 0 else stage
+    where = f"episode {episode + 1}, {stage}" if episode is not None and episode >= 0 else stage  # counted from 1
     return RunError(f"{where}: {err.message}")
 
 

@@ -151,7 +151,7 @@ def test_a_raising_rule_reward_stops_the_run_naming_the_sample(prefect_api, ray_
     # math.sqrt of a sample dict raises TypeError: a stand-in for a reward function with a bug
     cfg = small("grpo", tmp_path, tiny_model_dir, "models.reward.args_dict.reward_fn=math:sqrt",
                 "runtime.num_episode=1", "runtime.eval_episode_interval=0", "runtime.enable_eval_before_training=false")
-    expected = r'episode 0, score: reward hook math:sqrt raised TypeError: .* for sample 0 \(prompt "'
+    expected = r'episode 1, score: reward hook math:sqrt raised TypeError: .* for sample 0 \(prompt "'
     with pytest.raises(Exception, match=expected):
         train_flow(cfg)
     assert not (tmp_path / cfg.runtime.exp_name / "final").exists()

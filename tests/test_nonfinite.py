@@ -174,7 +174,7 @@ def test_train_with_a_nan_reward_stops_with_one_line_and_writes_no_nan(prefect_a
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 1, res.stderr[-3000:]
     errors = [line for line in res.stderr.splitlines() if "chatlearn: error:" in line]
-    assert errors == ['chatlearn: error: episode 1, score: reward hook nan_hook:reward returned nan for sample 5 '
+    assert errors == ['chatlearn: error: episode 2, score: reward hook nan_hook:reward returned nan for sample 5 '
                       '(sample_id 37, prompt "' + errors[0].split('prompt "')[1]], res.stderr[-3000:]
     assert errors[0].endswith('"); expected a finite number')
     assert "Traceback" not in res.stderr and "Finished in state Failed" not in res.stderr, res.stderr[-3000:]

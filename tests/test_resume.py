@@ -78,11 +78,11 @@ def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(reference
 def test_a_model_process_killed_mid_episode_is_recreated_and_the_run_ends_as_undisturbed(
         reference_run, tiny_model_dir, tmp_path):
     # the worker process hosting ppo_policy (the default colocates all six models in it) is SIGKILLed while
-    # episode 2 is being scored and trained: the run recreates it, resumes from episode 2's checkpoint record
-    # (episode index 1) and ends with the undisturbed run's weights and rows
+    # episode 3 (index 2) is being scored and trained: the run recreates it, resumes from episode 2's checkpoint
+    # record (index 1) and ends with the undisturbed run's weights and rows
     res = train(tmp_path, "killed", tiny_model_dir, kill="ppo_policy:after_generate:2")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "died during episode 2" in res.stderr and "restart 1 of at most 3" in res.stderr, res.stderr[-3000:]
+    assert "died during episode 3" in res.stderr and "restart 1 of at most 3" in res.stderr, res.stderr[-3000:]
     assert "resuming after episode 2 " in res.stderr
     assert_same_as_reference(tmp_path / "killed", reference_run)
 

@@ -50,7 +50,7 @@ def test_a_stuck_stage_is_an_error_naming_the_episode_stage_and_model(tiny_model
     assert res.returncode == 1, res.stderr[-3000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("chatlearn: error:")]
     assert len(errors) == 1, res.stderr[-3000:]
-    assert "episode 0, score: no result after 5 s from reward (runtime.stage_timeout_s)" in errors[0], errors
+    assert "episode 1, score: no result after 5 s from reward (runtime.stage_timeout_s)" in errors[0], errors
     assert time.monotonic() - t0 < 280  # not the hook's 600 s
 
 
@@ -68,5 +68,5 @@ def test_the_stage_clock_names_the_models_that_did_not_answer(ray_session):
     assert clock.get([answer.remote(0), answer.remote(0)], ["ppo_policy", "ppo_value"]) == [0, 0]
     with pytest.raises(StageTimeout) as err:
         clock.get([answer.remote(0), answer.remote(60)], ["ppo_policy", "ppo_value"])
-    assert str(err.value) == ("episode 7, train: no result after 1 s from ppo_value (runtime.stage_timeout_s); "
+    assert str(err.value) == ("episode 8, train: no result after 1 s from ppo_value (runtime.stage_timeout_s); "
                               "the model is stuck or the limit is too low")

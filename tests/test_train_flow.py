@@ -120,14 +120,14 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     async def episode_runs():
         async with get_client() as client:
             runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                name=FlowRunFilterName(any_=["episode-0", "episode-1"]),
+                name=FlowRunFilterName(any_=["episode-1", "episode-2"]),
                 start_time=FlowRunFilterStartTime(after_=started)))
             arts = await client.read_artifacts()
             return runs, arts
 
     runs, arts = asyncio.run(episode_runs())
-    assert {r.name for r in runs} >= {"episode-0", "episode-1"}
-    assert all(r.state.is_completed() for r in runs if r.name in ("episode-0", "episode-1"))
+    assert {r.name for r in runs} >= {"episode-1", "episode-2"}  # counted from 1, as the terminal counts
+    assert all(r.state.is_completed() for r in runs if r.name in ("episode-1", "episode-2"))
     keys = {a.key for a in arts}
     assert {"default-progress", "default-metrics", "default-eval-examples"} <= keys
     # the eval hook of the default config adds exact match to the rows (an exact answer scores 1.0)

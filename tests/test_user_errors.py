@@ -1,7 +1,7 @@
 """Errors from user code read as one line (issue 12, item 5).
 
 A reward, relay or eval hook that raises or returns something unusable is a `RunError` naming the hook (and the
-sample, for a reward hook); the stage that ran it adds the episode and the stage (``episode 0, score: ...``)
+sample, for a reward hook); the stage that ran it adds the episode and the stage (``episode 1, score: ...``)
 whatever Ray wrapped it in; the CLI prints ``chatlearn: error: <message>`` and exits 1, and the tracebacks
 Prefect logs go to ``run_dir/chatlearn.log`` instead of the terminal. Any other exception keeps its traceback.
 Unit tests without Ray, one with the session Ray (an error crossing a Ray task), and one in-process run whose
@@ -109,7 +109,8 @@ def test_the_stage_unwraps_ray_and_says_episode_and_stage():
     wrapped = ray_task_error(hook)
     assert str(wrapped) != hook.message and find_run_error(wrapped) is not None
     err = stage_error(wrapped, "score", 3)
-    assert type(err) is RunError and err.message == f"episode 3, score: {hook.message}"
+    # the episode counted from 1, as the terminal's [episode N/M] (3 is the fourth episode's index)
+    assert type(err) is RunError and err.message == f"episode 4, score: {hook.message}"
     assert stage_error(err, "score", 3) is err  # said where already: unchanged
     assert stage_error(ray_task_error(err), "train", 3).message == err.message
     assert stage_error(hook, "eval", -1).message == f"eval: {hook.message}"  # no episode: before training, eval
@@ -120,7 +121,7 @@ def test_the_stage_unwraps_ray_and_says_episode_and_stage():
         except RunError as exc:
             raise KeyError("while handling") from exc
     except KeyError as chained:
-        assert stage_error(chained, "sync", 0).message.startswith("episode 0, sync: reward hook m:f")
+        assert stage_error(chained, "sync", 0).message.startswith("episode 1, sync: reward hook m:f")
 
 
 def test_in_stage_finds_the_episode_in_its_arguments_or_the_rollouts():
@@ -132,7 +133,7 @@ def test_in_stage_finds_the_episode_in_its_arguments_or_the_rollouts():
     def train(run, experience, episode, start_iteration):
         raise ValueError("a bug of ours")
 
-    with pytest.raises(RunError, match=r"^episode 2, score: relay hook m:f raised ValueError: boom$") as info:
+    with pytest.raises(RunError, match=r"^episode 3, score: relay hook m:f raised ValueError: boom$") as info:
         score(None, RefBox([], episode=2))
     assert info.value.__cause__ is not None  # the Ray error, with the remote traceback, for the log file
     with pytest.raises(ValueError, match="a bug of ours"):
@@ -156,7 +157,7 @@ def test_a_relay_hook_error_crosses_ray_as_one_line(ray_session):
         ray.kill(relay)
     assert "ray::RelayBuffer.add_episode()" in str(info.value)  # Ray's own str() is the remote traceback
     err = stage_error(info.value, "train", 1)
-    assert err.message == ("episode 1, train: relay hook json:loads raised TypeError: the JSON object must be str, "
+    assert err.message == ("episode 2, train: relay hook json:loads raised TypeError: the JSON object must be str, "
                            "bytes or bytearray, not list (episodes [1] in the window)")
 
 
@@ -241,6 +242,6 @@ def test_a_reward_hook_that_raises_stops_the_run_with_the_episode_stage_hook_and
         train_flow(cfg)
     assert type(info.value) is RunError  # what the CLI finds and prints
     message = info.value.message
-    assert message.startswith("episode 0, score: reward hook tests.test_user_errors:boom_reward raised ValueError: "
+    assert message.startswith("episode 1, score: reward hook tests.test_user_errors:boom_reward raised ValueError: "
                               'boom for sample 3 (prompt "'), message
     assert "\n" not in message and not (tmp_path / "hook" / "final").exists()

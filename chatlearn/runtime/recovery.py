@@ -69,7 +69,7 @@ def process_loss(exc: BaseException, processes: dict[str, Any], nodes_before: se
         if not lost:
             return None
         nodes = dead_nodes(nodes_before)
-        where = f"during episode {episode}" if episode is not None else "while starting"
+        where = f"during episode {episode + 1}" if episode is not None else "while starting"  # counted from 1
         msg = f"model process{'es' if len(lost) > 1 else ''} {', '.join(lost)} died {where}"
         if nodes:
             msg += f" (node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)} left the cluster)"

@@ -49,7 +49,7 @@ class StageClock:
                     with contextlib.suppress(Exception):
                         ray.cancel(ref)
                 who = f" from {', '.join(waiting)}" if waiting else ""
-                where = f"episode {self.episode}, {self.stage}" if self.episode >= 0 else self.stage
+                where = f"episode {self.episode + 1}, {self.stage}" if self.episode >= 0 else self.stage
                 raise StageTimeout(f"{where}: no result after {self.timeout_s:g} s"
                                    f"{who} (runtime.stage_timeout_s); the model is stuck or the limit is too low")
         return ray.get(refs)
