@@ -20,10 +20,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULT_VARIABLES = ("CHATLEARN_CRASH_AT", "CHATLEARN_FAULT_AT", "CHATLEARN_KILL_AT")
 
 
-def chatlearn_train(args, out, tiny_model_dir, timeout: float = 600, **variables):
+def chatlearn_train(args, out, tiny_model_dir, timeout: float = 600, cwd: str | None = None, **variables):
     """A real `chatlearn train ARGS` process writing under ``out``, on the session's Prefect API (use with the
     ``prefect_api`` fixture), with the fault-injection variables (chatlearn/utils/faults.py,
-    chatlearn/runtime/recovery.py) cleared unless given in ``variables``."""
+    chatlearn/runtime/recovery.py) cleared unless given in ``variables``. From the repository root, or with
+    ``cwd`` the installed console script run there, as a user runs it (``python -m`` would put ``cwd`` on
+    ``sys.path`` and hide whether user code resolves without it)."""
     import subprocess
     import sys
 
@@ -34,8 +36,11 @@ def chatlearn_train(args, out, tiny_model_dir, timeout: float = 600, **variables
     for name in FAULT_VARIABLES:
         env.pop(name, None)
     env.update({k: v for k, v in variables.items() if v is not None})
-    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env.pop("PYTHONPATH", None)
+    command = [os.path.join(os.path.dirname(sys.executable), "chatlearn")] if cwd else [sys.executable, "-m",
+                                                                                        "chatlearn.cli"]
+    return subprocess.run([*command, "train", *args], cwd=cwd or REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="session")

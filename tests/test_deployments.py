@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC
 from html import unescape
 from pathlib import Path
 
@@ -192,15 +193,20 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
     states = sorted(r.state.type.value for r in runs)
     assert states == ["CANCELLED", "COMPLETED"], [(r.state.type.value, r.state.message) for r in runs]
     done = next(r for r in runs if r.state.type.value == "COMPLETED")
-    run_dir = tmp_path / "out" / "tiny" / "from-form"  # output_dir/exp_name, as the config's run_dir says
+    # each run of a deployment writes its own run directory inside the config's (output_dir/exp_name):
+    # <deployment>-<scheduled time, UTC> (deployment.runs: separate, the default)
+    stamp = done.expected_start_time.astimezone(UTC).strftime("%Y%m%d-%H%M%S")
+    run_dir = tmp_path / "out" / "tiny" / "from-form" / f"tiny-{stamp}"
+    assert [p.name for p in run_dir.parent.iterdir()] == [run_dir.name]
     assert (run_dir / "final" / "policy" / "config.json").exists()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    exp = run_dir.name  # the run's exp_name: its artifacts are its own
 
     with _client(stack) as client:
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
             any_=[done.id])))
         keys = {a.key for a in arts}
-        assert {"from-form-outputs", "from-form-metrics", "from-form-progress", "from-form-curves"} <= keys, keys
+        assert {f"{exp}-outputs", f"{exp}-metrics", f"{exp}-progress", f"{exp}-curves"} <= keys, keys
 
     # 5. the completion trigger started the eval deployment on that run: its final policy, into its run dir
     deadline = time.time() + 120
@@ -224,13 +230,13 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
     for field in ("Num Episode", "[required] number of episodes", "Sample Per Episode", "Runtime Env"):
         assert field in form_text, field
     by_key = {a.key: a for a in arts}
-    table_text, _ = chromium(f"{stack['ui']}/artifacts/artifact/{by_key['from-form-metrics'].id}",
+    table_text, _ = chromium(f"{stack['ui']}/artifacts/artifact/{by_key[f'{exp}-metrics'].id}",
                              BROWSER_OUT / "run-metrics.png")
-    assert "per-episode metrics of from-form" in table_text
+    assert f"per-episode metrics of {exp}" in table_text
     for column in ("episode", "reward_mean", "kl_mean", "episode_seconds"):
         assert column in table_text, column
-    assert by_key["from-form-metrics"].flow_run_id == done.id
-    curve_text, curve_dom = chromium(f"{stack['ui']}/artifacts/artifact/{by_key['from-form-curves'].id}",
+    assert by_key[f"{exp}-metrics"].flow_run_id == done.id
+    curve_text, curve_dom = chromium(f"{stack['ui']}/artifacts/artifact/{by_key[f'{exp}-curves'].id}",
                                      BROWSER_OUT / "run-curves.png")
     assert "reward / KL / eval curve" in curve_text and 'src="data:image/png;base64,' in curve_dom
 
@@ -238,8 +244,10 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
 def test_serve_runs_a_deployment_from_one_process(stack, tmp_path):
     (tmp_path / "tiny.yaml").write_text(TINY.format(repo=REPO))
     log = tmp_path / "serve.out"
+    # deployment.runs: continue: every run of the deployment continues the one run in output_dir/exp_name
     serve = _popen([sys.executable, "-m", "chatlearn.cli", "serve", "tiny.yaml", "--name", "served",
-                    "--on-overlap", "queue", "runtime.exp_name=served"], env=stack["env"], cwd=tmp_path,
+                    "--on-overlap", "queue", "runtime.exp_name=served", "deployment.runs=continue"], env=stack["env"],
+                   cwd=tmp_path,
                    stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
