@@ -59,7 +59,7 @@ def test_curves_png_is_rewritten_each_episode(tmp_path):
 
 def test_the_table_is_json_without_nan():
     rows = table_rows([{"episode": 0, "reward_mean": float("nan"), "kl_mean": float("inf"), "extra": 1}])
-    assert rows[0]["episode"] == 0 and "extra" not in rows[0]
+    assert rows[0]["episode"] == 1 and "extra" not in rows[0]  # the UI counts from 1, as the terminal
     safe = json_safe(rows)
     assert safe[0]["reward_mean"] is None and safe[0]["kl_mean"] is None
     json.loads(json.dumps(safe, allow_nan=False))

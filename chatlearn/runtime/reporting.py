@@ -93,8 +93,10 @@ class EpisodeReporter:
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The metrics table: one row per episode, the metrics line's columns (absent ones are None)."""
-    return [{"episode": r["episode"], **{k: r.get(k) for k in LINE_KEYS}} for r in rows]
+    """The metrics table: one row per episode, counted from 1 as the terminal, the errors and the episode
+    subflows count (`metrics.jsonl` keeps ChatLearn's 0-based index), the metrics line's columns (absent ones
+    are None)."""
+    return [{"episode": r["episode"] + 1, **{k: r.get(k) for k in LINE_KEYS}} for r in rows]
 
 
 # Figure size in inches and dots per inch of `curves.png`: 480 x 280 pixels, small enough (tens of kB) to
