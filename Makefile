@@ -2,6 +2,7 @@
 #   make train   set up, then train the embedded default (PPO on a tiny Llama, CPU, a few minutes)
 #   make test    set up, then run the test suite
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -13,8 +14,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# the pinned CPU build first: a bare `torch` requirement would pull a multi-GB CUDA build
-	$(BIN)/python -m pip install -q torch==2.13.0
+	# the pinned torch first, as this pip resolves it (a CPU build where the pip configuration serves one; on plain
+	# PyPI the CUDA build: TORCH_INDEX=https://download.pytorch.org/whl/cpu takes PyTorch's CPU wheel instead);
+	# a bare `torch` requirement resolved later would pull the newest CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
@@ -24,7 +27,7 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
-# the edit-test loop: everything but the tests that start Ray and Prefect (about 40 s)
+# the edit-test loop: everything but the tests that start Ray and Prefect (about 90 s)
 test-fast: setup
 	$(BIN)/python -m pytest -q tests -m "not integration" $(PYTEST_ARGS)
 

@@ -281,8 +281,9 @@ def test_a_full_disk_at_the_second_checkpoint_fails_the_run_and_keeps_the_first(
     assert failed.returncode == 1, failed.stderr[-3000:]
     errors = [line for line in failed.stderr.splitlines() if line.startswith("chatlearn: error:")]
     assert len(errors) == 1, failed.stderr[-3000:]
-    # e.g. "chatlearn: error: episode 1, checkpoint: cannot write checkpoint to .../ppo_policy/iter_0000004: ..."
-    assert f"cannot write checkpoint to {run_dir}/checkpoints/ppo_" in errors[0]
+    # "chatlearn: error: episode 2, checkpoint: cannot write checkpoint to .../ppo_policy/iter_0000004: ..."
+    assert errors[0].startswith(f"chatlearn: error: episode 2, checkpoint: cannot write checkpoint to {run_dir}/"
+                                "checkpoints/ppo_"), errors[0]
     assert errors[0].endswith(f"/iter_0000004: {ENOSPC}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["episode"] for r in rows] == [0]
