@@ -4,6 +4,10 @@ the same command, ends with the uninterrupted run's final policy, bit for bit, a
 The kills come from `CHATLEARN_CRASH_AT` (chatlearn/utils/faults.py): the process SIGKILLs itself at an
 exact point, (1) while episode 3 is being scored and trained, (2) halfway through writing the data checkpoint
 record of episode 2, after the model checkpoints were written. Relay is on, so its window must resume too.
+
+Every model of the default config is the tiny Qwen2 of configs/tiny_qwen2.yaml (tied input/output embeddings,
+grouped-query attention, as Qwen2.5-0.5B): the tied weight trains, is checkpointed once per checkpoint and must
+come back tied for the resumed run to match (issue 21). The default's Llama resumes by the same code.
 """
 
 import json
@@ -12,7 +16,9 @@ import signal
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import chatlearn_train
 
@@ -23,14 +29,23 @@ ARGS = [
     "runtime.train_micro_batch_size=8", "runtime.train_global_batch_size=16", "runtime.save_episode_interval=1",
     "runtime.eval_episode_interval=2", "runtime.max_relay_episode=2",
     "runtime.relay_sample_fn=chatlearn.data.relay:concat_all",
+    *(f"models.{m}.model_config_file=tiny_qwen2.yaml" for m in ("policy", "reference", "value", "ppo_policy",
+                                                               "ppo_value")),
 ]
 TIMING = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds")
 
 
-def train(out, exp, tiny_model_dir, crash=None, kill=None, extra=()):
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dir, tiny_qwen2_dir):
+    return tiny_model_dir, tiny_qwen2_dir
+
+
+def train(out, exp, model_dirs, crash=None, kill=None, extra=()):
     # crash: SIGKILL the driver at a point; kill: SIGKILL a model's worker process (chatlearn.runtime.recovery)
+    tiny_model_dir, tiny_qwen2_dir = model_dirs
     return chatlearn_train([*ARGS, *extra, f"runtime.exp_name={exp}"], out, tiny_model_dir,
-                           CHATLEARN_CRASH_AT=crash, CHATLEARN_KILL_AT=kill)
+                           CHATLEARN_TINY_QWEN2_DIR=tiny_qwen2_dir, CHATLEARN_CRASH_AT=crash,
+                           CHATLEARN_KILL_AT=kill)
 
 
 def comparable_rows(run_dir):
@@ -45,13 +60,19 @@ def comparable_rows(run_dir):
 
 
 @pytest.fixture(scope="module")
-def reference_run(prefect_api, tiny_model_dir, tmp_path_factory):
+def reference_run(prefect_api, model_dirs, tmp_path_factory):
     """The uninterrupted run every disturbed one must reproduce: (its weights, its comparable rows)."""
     out = tmp_path_factory.mktemp("reference")
-    ref = train(out, "ref", tiny_model_dir)
+    ref = train(out, "ref", model_dirs)
     assert ref.returncode == 0, ref.stderr[-3000:]
     rows = comparable_rows(out / "ref")
     assert [r["episode"] for r in rows] == [0, 1, 2, 3]
+    # each checkpoint holds the tied weight once (its other name an alias), and the exported policy is tied
+    last = sorted((out / "ref" / "checkpoints" / "ppo_policy").iterdir())[-1]
+    with safe_open(str(last / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"lm_head.weight": "model.embed_tokens.weight"}
+    final = AutoModelForCausalLM.from_pretrained(out / "ref" / "final" / "policy")
+    assert final.lm_head.weight.data_ptr() == final.model.embed_tokens.weight.data_ptr()
     return load_file(str(out / "ref" / "final" / "policy" / "model.safetensors")), rows
 
 
@@ -63,24 +84,24 @@ def assert_same_as_reference(run_dir, reference_run):
     assert comparable_rows(run_dir) == expected_rows, run_dir
 
 
-def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(reference_run, tiny_model_dir, tmp_path):
+def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(reference_run, model_dirs, tmp_path):
     for exp, crash, resumed_after in [("during-train", "after_generate:2", 2),
                                       ("during-checkpoint", "data_checkpoint_write:1", 1)]:
-        killed = train(tmp_path, exp, tiny_model_dir, crash=crash)
+        killed = train(tmp_path, exp, model_dirs, crash=crash)
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         assert not (tmp_path / exp / "final").exists()
-        again = train(tmp_path, exp, tiny_model_dir)
+        again = train(tmp_path, exp, model_dirs)
         assert again.returncode == 0, again.stderr[-3000:]
         assert f"resuming after episode {resumed_after} " in again.stdout + again.stderr
         assert_same_as_reference(tmp_path / exp, reference_run)
 
 
 def test_a_model_process_killed_mid_episode_is_recreated_and_the_run_ends_as_undisturbed(
-        reference_run, tiny_model_dir, tmp_path):
+        reference_run, model_dirs, tmp_path):
     # the worker process hosting ppo_policy (the default colocates all six models in it) is SIGKILLed while
     # episode 3 (index 2) is being scored and trained: the run recreates it, resumes from episode 2's checkpoint
     # record (index 1) and ends with the undisturbed run's weights and rows
-    res = train(tmp_path, "killed", tiny_model_dir, kill="ppo_policy:after_generate:2")
+    res = train(tmp_path, "killed", model_dirs, kill="ppo_policy:after_generate:2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "died during episode 3" in res.stderr and "restart 1 of at most 3" in res.stderr, res.stderr[-3000:]
     assert "resuming after episode 2 " in res.stderr
