@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-overhead bench-growth bench-mfu bench-scaling bench-soak clean
+.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-overhead bench-growth bench-mfu bench-scaling bench-soak gpu-smoke clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,11 @@ bench-scaling: setup
 # weights equal an undisturbed run's (about an hour here; not part of `bench`)
 bench-soak: setup
 	$(BIN)/python bench/soak.py
+
+# on a CUDA machine: the default, GRPO on the tiny Qwen2 and online DPO with LoRA on one device, colocated, with
+# the memory handover (never in CI: it has no GPU)
+gpu-smoke: setup
+	$(BIN)/python bench/gpu_smoke.py
 
 clean:
 	rm -rf output .pytest_cache
