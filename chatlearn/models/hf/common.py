@@ -25,7 +25,7 @@ class HFModelArgs(BaseModel):
     module: str | None = Field(None, description="module class as 'package.module:Class' (built-in default by name)")
     model_path: str | None = Field(None, description="local Hugging Face model directory to load")
     tiny_model_path: str | None = Field(
-        None, description="where the embedded tiny Llama may be built: when model_path names this directory and "
+        None, description="where the embedded tiny model may be built: when model_path names this directory and "
         "it holds no model yet, a random-init tiny model (spec: tiny_model) is built there first. The one switch "
         "that builds it; any other model_path that does not exist is an error naming it (a typo is never "
         "silently filled with a random model)"
