@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 
 from chatlearn.config.root import ChatLearnConfig
-from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, is_file_form
+from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, file_source, is_file_form, module_source
 
 
 def config_dir(cfg: ChatLearnConfig) -> str | None:
@@ -31,19 +31,13 @@ def hook_specs(cfg: ChatLearnConfig) -> list[str]:
     return [s for s in dict.fromkeys(specs) if isinstance(s, str) and ":" in s]
 
 
-def _file_of(module_part: str, dirs: list[str]) -> str | None:
-    """Where a file-form hook's file is (absolute, or the first code folder holding it), None if nowhere."""
-    candidates = [module_part] if os.path.isabs(module_part) else [os.path.join(d, module_part) for d in dirs]
-    return next((os.path.abspath(c) for c in candidates if os.path.isfile(c)), None)
-
-
 def user_code_dirs(cfg: ChatLearnConfig) -> list[str]:
     """The code folders of this config besides the current directory: the config's folder, then the folder of
     each file-form hook."""
     base = [d for d in [config_dir(cfg)] if d]
     search = list(dict.fromkeys([os.getcwd(), *base]))
     modules = [spec.rsplit(":", 1)[0] for spec in hook_specs(cfg)]
-    files = [_file_of(m, search) for m in modules if is_file_form(m)]
+    files = [file_source(m, search) for m in modules if is_file_form(m)]
     return list(dict.fromkeys([os.path.abspath(d) for d in base] + [os.path.dirname(f) for f in files if f]))
 
 
@@ -69,22 +63,12 @@ def shipped_code(cfg: ChatLearnConfig) -> list[str]:
     distribution: what a cluster's other nodes need as Ray ``py_modules``."""
     installed = importlib.metadata.packages_distributions()
     with user_code(cfg) as dirs:
-        out = []
+        found = []
         for spec in hook_specs(cfg):
             module_part = spec.rsplit(":", 1)[0]
-            if is_file_form(module_part):
-                found = _file_of(module_part, dirs)
-                out += [found] if found else []
-                continue
             top = module_part.split(".")[0]
-            if top in installed:
-                continue
-            for folder in dirs:
-                for candidate in (os.path.join(folder, f"{top}.py"), os.path.join(folder, top)):
-                    if os.path.exists(candidate):
-                        out.append(candidate)
-                        break
-                else:
-                    continue
-                break
-    return list(dict.fromkeys(out))
+            if is_file_form(module_part):
+                found.append(file_source(module_part, dirs))
+            elif top not in installed:
+                found.append(module_source(top, dirs))
+    return list(dict.fromkeys(f for f in found if f))

@@ -51,6 +51,21 @@ def _on_path(folder: str) -> None:
         importlib.invalidate_caches()
 
 
+def module_source(top: str, dirs: list[str]) -> str | None:
+    """The file ``top.py`` or package folder ``top/`` in the first of ``dirs`` holding one, else None."""
+    for folder in dirs:
+        for candidate in (os.path.join(folder, f"{top}.py"), os.path.join(folder, top)):
+            if os.path.isfile(candidate) or os.path.isdir(candidate):
+                return candidate
+    return None
+
+
+def file_source(path: str, dirs: list[str]) -> str | None:
+    """The file ``path`` (absolute, or relative to the first of ``dirs`` holding it), else None."""
+    candidates = [path] if os.path.isabs(path) else [os.path.join(d, path) for d in dirs]
+    return next((os.path.abspath(c) for c in candidates if os.path.isfile(c)), None)
+
+
 def _import_module(name: str) -> ModuleType:
     """``name`` from the installed packages, else from the first code folder holding it (``top.py`` or ``top/``)."""
     top = name.split(".")[0]
@@ -60,10 +75,10 @@ def _import_module(name: str) -> ModuleType:
         if exc.name != top:  # something the module itself imports is missing: that is its error to report
             raise
     dirs = code_dirs()
-    for folder in dirs:
-        if os.path.isfile(os.path.join(folder, f"{top}.py")) or os.path.isdir(os.path.join(folder, top)):
-            _on_path(folder)
-            return importlib.import_module(name)
+    found = module_source(top, dirs)
+    if found is not None:
+        _on_path(os.path.dirname(found))
+        return importlib.import_module(name)
     raise ModuleNotFoundError(f"no module named {top!r}: not installed, and no {top}.py or {top}/ in "
                               f"{_looked_in(dirs)}", name=top)
 
@@ -74,8 +89,7 @@ def _import_file(path: str) -> ModuleType:
     if not stem.isidentifier():
         raise ModuleNotFoundError(f"{os.path.basename(path)!r} is not a Python module name (letters, digits, _)")
     dirs = code_dirs()
-    candidates = [path] if os.path.isabs(path) else [os.path.join(d, path) for d in dirs]
-    found = next((os.path.abspath(c) for c in candidates if os.path.isfile(c)), None)
+    found = file_source(path, dirs)
     if found is None:
         if stem in sys.modules or importlib.util.find_spec(stem) is not None:
             return importlib.import_module(stem)  # shipped to this Ray worker (runtime_env py_modules)
