@@ -104,9 +104,9 @@ def _train_locked(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_st
         summary = run_dir / "summary.json"
         return json.loads(summary.read_text()) if summary.is_file() else {}
     if state.start_over:
-        msg = (f"runtime.enable_resume_training is false: starting over in {run_dir}; the earlier run's "
-               f"{state.record.get('episodes_done', 0)} episode(s) of metrics, checkpoints and final policy are "
-               "replaced as this run writes its own")
+        msg = (f"starting over in {run_dir} ({state.start_over}); the earlier run's "
+               f"{state.record.get('episodes_done', 0)} committed episode(s) of metrics, checkpoints and final "
+               "policy are replaced as this run writes its own")
         get_run_logger().warning(msg)
         sys.stderr.write(f"chatlearn: warning: {msg}\n")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -97,12 +97,21 @@ def test_starting_over_is_said_and_recorded(tmp_path):
     cfg = finished(tmp_path)
     over = config(tmp_path, "runtime.enable_resume_training=false", "runtime.seed=7")
     state = inspect_run_dir(over)  # ChatLearn's switch for a fresh start: not refused, not complete
-    assert state.start_over and not state.complete
+    assert state.start_over == "runtime.enable_resume_training: false" and not state.complete
     record_start(over, state)
     record = read_record(cfg.runtime.run_dir)
     assert (record["status"], record["episodes_done"], record["config"]["runtime"]["seed"]) == ("running", 0, 7)
     assert [e["event"] for e in record["history"]] == [
         "started", "finished", "started over (runtime.enable_resume_training: false)", "started"]
+    # a run that committed no episode yet (stopped before its first checkpoint) has nothing to keep: another
+    # config starts over instead of being refused
+    other = config(tmp_path, "runtime.seed=8")
+    state = inspect_run_dir(other)
+    assert state.start_over == "another config, and the run committed no episode"
+    assert state.changes == {"runtime.seed": [7, 8]}
+    record_start(other, state)
+    assert read_record(cfg.runtime.run_dir)["history"][-2]["replaced"] == {"episodes_done": 0,
+                                                                           "changes": {"runtime.seed": [7, 8]}}
 
 
 def test_a_damaged_record_is_named(tmp_path):

@@ -10,7 +10,8 @@ A later start in the same directory (`inspect_run_dir`, before anything starts) 
 - **refused**: the config differs in something that changes results (data, models, algorithm, seed,
   optimizer, ...): a `RunDirConflict` naming the fields and the ways out. Nothing is overwritten;
 - **a start over**, asked for by ``runtime.enable_resume_training: false`` (ChatLearn's switch), said on the
-  terminal rather than done silently.
+  terminal rather than done silently; or a start with another config where the run committed no episode yet
+  (it stopped before its first checkpoint: there is nothing of it to keep).
 
 What "changes results" means is everything but `FREE_FIELDS`: how long the run goes, how often it saves,
 evaluates and logs, where it runs and on what resources, how fast it syncs. The data files count by their
@@ -140,7 +141,7 @@ class RunDirState:
     record: dict[str, Any] | None
     changes: dict[str, list[Any]] = field(default_factory=dict)
     complete: bool = False
-    start_over: bool = False
+    start_over: str | None = None  # why the run starts over, replacing the record (None: it does not)
 
     def complete_message(self, cfg: ChatLearnConfig) -> str:
         rec = self.record or {}
@@ -159,8 +160,10 @@ def inspect_run_dir(cfg: ChatLearnConfig) -> RunDirState:
     if record is None:
         return RunDirState(None)
     if not rt.enable_resume_training:
-        return RunDirState(record, start_over=True)
+        return RunDirState(record, start_over="runtime.enable_resume_training: false")
     changes = config_changes(record["view"], results_view(cfg))
+    if changes and not rt.resume_with_changes and not record.get("episodes_done"):
+        return RunDirState(record, changes, start_over="another config, and the run committed no episode")
     if changes and not rt.resume_with_changes:
         listed = "; ".join(f"{k}: {_shown(a)} in the run, {_shown(b)} now" for k, (a, b) in changes.items())
         raise RunDirConflict(
@@ -193,8 +196,9 @@ def record_start(cfg: ChatLearnConfig, state: RunDirState) -> dict[str, Any]:
     if state.record is None or state.start_over:
         history = (state.record or {}).get("history", [])
         if state.start_over:
-            history = [*history, {"at": _now(), "event": "started over (runtime.enable_resume_training: false)",
-                                  "replaced": {"episodes_done": state.record.get("episodes_done", 0)}}]
+            history = [*history, {"at": _now(), "event": f"started over ({state.start_over})",
+                                  "replaced": {"episodes_done": state.record.get("episodes_done", 0),
+                                               "changes": state.changes}}]
         record = {"format_version": FORMAT_VERSION, "started_at": _now(), "status": "running", "episodes_done": 0,
                   "num_episode": rt.num_episode, "final_policy": None,
                   "config": cfg.model_dump(mode="json"), "view": results_view(cfg),
