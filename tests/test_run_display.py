@@ -145,7 +145,7 @@ def test_a_two_episode_run_shows_curves_one_table_and_profiles(prefect_api, ray_
     [table] = artifacts_with_key("run-display-metrics")
     assert table.type == "table" and table.flow_run_id == curve.flow_run_id
     data = json.loads(table.data)
-    assert [r["episode"] for r in data] == [0, 1]
+    assert [r["episode"] for r in data] == [1, 2]  # counted from 1 in the UI, as on the terminal
     assert data[1]["reward_mean"] == pytest.approx(rows[1]["reward_mean"])
     assert all(r["kl_mean"] is None or math.isfinite(r["kl_mean"]) for r in data)
     assert "2 episodes" in table.description

@@ -102,7 +102,10 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     assert "eval" in rows[1]["stage_seconds"]
     assert rows[1]["consumed_samples"] == 256
     assert rows[1]["iteration"] == 8
-    assert rows[1]["checkpoint_paths"] == {}  # save_episode_interval is 10
+    # save_episode_interval is 10: only the last episode checkpoints (a finished run can be continued)
+    assert rows[0]["checkpoint_paths"] == {}
+    assert sorted(rows[1]["checkpoint_paths"]) == ["ppo_policy", "ppo_value"]
+    assert all(p.endswith("iter_0000008") for p in rows[1]["checkpoint_paths"].values())
 
     # the final policy is a loadable Hugging Face model, trained away from its init
     final = run_dir / "final" / "policy"
