@@ -43,7 +43,7 @@ from chatlearn.checkpoint.model_checkpoint import (
 )
 from chatlearn.utils.faults import fault_point
 from chatlearn.utils.storage import os_error_of, writing
-from chatlearn.utils.tied import tied_aliases
+from chatlearn.utils.tied import restore_aliases, tied_aliases
 
 DCP_FORMAT = "torch-dcp"
 
@@ -140,8 +140,7 @@ def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
         raise ValueError(f"{path}: not a sharded checkpoint")
     state, aliases = _state(model, optimizer)
     dcp.load(state, checkpoint_id=path, process_group=group)
-    for alias, kept in aliases.items():  # one tensor again: set_state_dict loads every name of the model
-        state["model"][alias] = state["model"][kept]
+    restore_aliases(state["model"], aliases)  # one tensor again: set_state_dict loads every name of the model
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
