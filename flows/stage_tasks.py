@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
 from chatlearn.models.hf.reward import hook_name, score_samples, text_samples
 from chatlearn.runtime.evaluation import eval_metrics, eval_results
-from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle, forget_peers, settle_peers
+from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle
 from chatlearn.runtime.reporting import artifact_key
 from chatlearn.runtime.schedule import checkpoint_due, every
 from chatlearn.runtime.sync import sync_routes
@@ -91,8 +91,7 @@ def in_stage(stage: str) -> Callable[[F], F]:
 @in_stage("generate")
 def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
     """The producer samples responses for this episode's prompts, batches dealt over its replicas."""
-    forget_peers()  # nothing of another run's calls is waited for here
-    t0 = time.perf_counter()
+    clock = StageClock("generate", episode, run.stage_timeout_s)
     heads = run.heads(run.plan.producer)
     batches = episode_generation_batches(run.dataset_size, consumed_samples, run.sample_per_episode,
                                          run.generation_batch_size, len(heads), run.shuffle_seed, run.group_size)
@@ -101,10 +100,8 @@ def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
     for i, (r, idx, ids) in enumerate(batches):
         # stream positions identify samples: per-sample seeds make responses independent of the batching
         outer.append(heads[r].generate.remote(idx, first_iteration + i, sample_ids=ids, group_size=run.group_size))
-    clock = StageClock("generate", episode, run.stage_timeout_s)
-    refs = clock.get(outer, run.plan.producer)  # waits for generation; only the small refs owned by the actors
-    settle_peers()
-    return RefBox(refs, seconds=time.perf_counter() - t0, num_batches=len(batches),
+    refs = clock.get(outer)  # waits for generation; only the small refs owned by the actors
+    return RefBox(refs, seconds=clock.seconds(), num_batches=len(batches),
                   num_samples=sum(len(idx) for _, idx, _ in batches), first_iteration=first_iteration,
                   episode=episode, first_sample_id=consumed_samples)
 
@@ -114,7 +111,7 @@ def rule_reward(batch: RefBox, rule: RuleSpec, model: str, episode_start: int | 
     bounded by the rule's timeout), return the scores. Runs as a Ray task with the rule's CPUs. An error
     (a RewardError, a RunError) names the hook and the sample, by its index in the episode when
     ``episode_start`` (the episode's first ``sample_id``) is given."""
-    data = ray.get(batch.refs[0])
+    data = ray.get(batch.refs[0], timeout=rule.timeout_s)  # generated already: a fetch
     samples = text_samples(data)
     return score_samples(import_callable(rule.reward_fn), samples, rule.timeout_s, hook_name(rule.reward_fn),
                          episode_start)
@@ -127,8 +124,8 @@ class RuleFuture:
     def __init__(self, ref: Any, model: str = ""):
         self.ref, self.model = ref, model
 
-    def result(self, clock: StageClock | None = None) -> list[float]:
-        return clock.get(self.ref, self.model) if clock is not None else ray.get(self.ref)
+    def result(self, clock: StageClock) -> list[float]:
+        return clock.get(self.ref, self.model)
 
 
 _RULE_TASKS: dict[float, Any] = {}
@@ -155,13 +152,11 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
 
     A rule reward is called in `rule-reward` Ray tasks fanned out over the batches while the scorers run; its
     actor then only turns the scores into the experience (advantages)."""
-    forget_peers()  # nothing of another run's calls is waited for here
-    t0 = time.perf_counter()
     plan = run.plan
     clock = StageClock("score", rollouts.meta.get("episode", -1), run.stage_timeout_s)
     if not plan.final and not plan.scorers:  # offline DPO: the producer's output is the experience
         refs = clock.get(run.stream().hold.remote(*rollouts.refs), "the stream dataset")
-        return RefBox(refs, seconds=time.perf_counter() - t0)
+        return RefBox(refs, seconds=clock.seconds())
     if not plan.final:
         raise ValueError("the episode plan has no final model to merge the rollouts and the scores into")
     scorer_heads = {name: run.heads(name) for name in plan.scorers}
@@ -178,31 +173,28 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
         extra = [{"scores": torch.tensor(rules[i].result(clock), dtype=torch.float32)}] if rules is not None else []
         outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts[i], *extra, iteration=it,
                                                                      keep_inputs=True))
-    refs = clock.get(outs, ", ".join([*plan.scorers, plan.final]))  # the final model waits for the scorers
-    settle_peers()
-    return RefBox(refs, seconds=time.perf_counter() - t0)
+    # the final model's calls wait for the scorers' (rank 0's) results; the scorers' other ranks count too
+    refs = clock.get([*outs, *(c for p in parts for c in p)])[:len(outs)]
+    return RefBox(refs, seconds=clock.seconds())
 
 
 @task(name="train", cache_policy=NO_CACHE)
 @in_stage("train")
 def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int) -> dict[str, Any]:
     """The StreamDataset shapes the episode's samples (loader type, relay); every trainer trains on them."""
-    forget_peers()  # nothing of another run's calls is waited for here
-    t0 = time.perf_counter()
     clock = StageClock("train", episode, run.stage_timeout_s)
     samples_ref, metrics = clock.get(run.stream().episode_samples.remote(*experience.refs, episode=episode),
                                      "the stream dataset")
     calls = {name: run.heads(name)[0].train.remote(samples_ref, episode=episode, start_iteration=start_iteration,
                                                    group_size=run.group_size)
              for name in run.plan.trainers}
-    results = dict(zip(calls, clock.get(list(calls.values()), list(calls)), strict=True))
-    settle_peers()
+    results = dict(zip(calls, clock.get(list(calls.values())), strict=True))
     for res in results.values():
         metrics.update({k: v for k, v in res.items() if k not in ("iteration", "num_steps", "num_samples")})
     first = results[run.plan.trainers[0]] if results else {}
     metrics["iteration"] = first.get("iteration", start_iteration)
     metrics["train_steps"] = first.get("num_steps", 0)
-    metrics["seconds"] = time.perf_counter() - t0
+    metrics["seconds"] = clock.seconds()
     return metrics
 
 
@@ -231,20 +223,17 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
     The data checkpoint record that makes these the run's restart point is written by the train flow after
     the episode (it is the commit), so a crash in between only wastes this episode's work.
     """
-    forget_peers()  # nothing of another run's calls is waited for here
-    t0 = time.perf_counter()
+    clock = StageClock("checkpoint", episode, run.stage_timeout_s)
     paths: dict[str, str | None] = {}
     relay_path = None
     if checkpoint_due(run.save_episode_interval, episode, run.num_episode):
-        clock = StageClock("checkpoint", episode, run.stage_timeout_s)
         iteration = trained["iteration"]
         calls = {name: run.heads(name)[0].save_checkpoint.remote(iteration) for name in run.checkpoint_models}
-        paths = dict(zip(calls, clock.get(list(calls.values()), list(calls)), strict=True))
-        settle_peers()
+        paths = dict(zip(calls, clock.get(list(calls.values())), strict=True))
         relay_dir = os.path.join(run.data_checkpoint_path, "relay", f"iter_{iteration:07d}")
         with writing("the relay checkpoint", relay_dir):  # a full disk: one RunError naming the path
             relay_path = clock.get(run.stream().save_relay.remote(relay_dir), "the stream dataset")
-    return {"paths": paths, "relay_path": relay_path, "seconds": time.perf_counter() - t0}
+    return {"paths": paths, "relay_path": relay_path, "seconds": clock.seconds()}
 
 
 @task(name="eval", cache_policy=NO_CACHE)
@@ -253,28 +242,23 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     """The producer's eval responses (greedy by default) on the eval set, scored by the evaluator model, then
     `runtime.eval_post_process_fn(results, {"episode_iteration", "train_iteration"})` turns the per-sample
     results into metrics (ChatLearn's post_process_func); the default is the mean score."""
-    forget_peers()  # nothing of another run's calls is waited for here
-    t0 = time.perf_counter()
+    clock = StageClock("eval", episode, run.stage_timeout_s)
     plan = run.plan
     heads = run.heads(plan.producer)
     scorer = run.heads(plan.evaluator) if plan.evaluator else []
     batches = eval_prompt_batches(run.eval_dataset_size, run.generation_batch_size, len(heads))
     rule = plan.evaluator in run.rule_rewards
-    outs = []
-    for i, (r, idx) in enumerate(batches):
-        g = heads[r].generate.remote(idx, i, is_eval=True)
-        if scorer and not rule:
-            g = scorer[i % len(scorer)].forward.remote(g, is_eval=True, keep_inputs=True)
-        outs.append(g)
-    clock = StageClock("eval", episode, run.stage_timeout_s)
-    gen_refs = clock.get(outs, plan.producer if rule or not scorer else f"{plan.producer}, {plan.evaluator}")
-    settle_peers()
+    gens = [heads[r].generate.remote(idx, i, is_eval=True) for i, (r, idx) in enumerate(batches)]
+    scored = ([scorer[i % len(scorer)].forward.remote(g, is_eval=True, keep_inputs=True) for i, g in enumerate(gens)]
+              if scorer and not rule else [])
+    # the last call of each batch is its result; every call's ranks are waited for
+    out_refs = clock.get([*gens, *scored])[-len(batches):] if batches else []
     if rule:  # the rule reward's tasks score the eval batches, in parallel
-        scores = [f.result(clock) for f in fan_out_rule(run, plan.evaluator, gen_refs, episode_start=0)]
+        scores = [f.result(clock) for f in fan_out_rule(run, plan.evaluator, out_refs, episode_start=0)]
         out_batches = [{**b, "scores": torch.tensor(s, dtype=torch.float32)}
-                       for b, s in zip(ray.get(gen_refs), scores, strict=True)]
+                       for b, s in zip(clock.get(out_refs), scores, strict=True)]
     else:
-        out_batches = ray.get(gen_refs)
+        out_batches = clock.get(out_refs)
     results = eval_results(out_batches)
     context = {"episode_iteration": episode, "train_iteration": (trained or {}).get("iteration")}
     metrics = eval_metrics(results, context, run.eval_post_process_fn)
@@ -283,4 +267,4 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     create_table_artifact(key=artifact_key(run.exp_name, "eval-examples"), table=examples,
                           description=f"eval responses after episode {episode + 1}" if episode >= 0
                           else "eval responses before training")
-    return {"metrics": metrics, "examples": examples, "seconds": time.perf_counter() - t0}
+    return {"metrics": metrics, "examples": examples, "seconds": clock.seconds()}

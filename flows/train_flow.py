@@ -14,7 +14,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import ray
 from prefect import get_client, get_run_logger
 from prefect.artifacts import (
     create_markdown_artifact,
@@ -26,19 +25,18 @@ from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
+from chatlearn.checkpoint.model_checkpoint import restore_rng_state
 from chatlearn.checkpoint.resume import (
     checkpoint_dirs,
     commit_data_checkpoint,
     data_checkpoint_dir,
-    load_model_checkpoints,
-    restore_driver_and_relay,
     resume_point,
 )
 from chatlearn.checkpoint.run_config import inspect_run_dir, record_progress, record_start
 from chatlearn.config import ChatLearnConfig
 from chatlearn.data.preflight import preflight
 from chatlearn.models.parallel import ParallelDims
-from chatlearn.runtime.handles import RunHandle, settle_peers
+from chatlearn.runtime.handles import RunHandle
 from chatlearn.runtime.launch import launch
 from chatlearn.runtime.model_group import ModelGroup
 from chatlearn.runtime.placement import PlacementError, table_text
@@ -50,6 +48,7 @@ from chatlearn.runtime.run_lock import lock_run_dir
 from chatlearn.runtime.run_record import claim_run_dir
 from chatlearn.runtime.stopping import Stopped, stop_signal, stopping
 from chatlearn.runtime.sync import sync_routes
+from chatlearn.runtime.waiting import wait
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.faults import crash_point
 from chatlearn.utils.storage import writing
@@ -165,10 +164,12 @@ def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, gr
     _show_placement(run)
     _show_layouts(cfg)
     heads = {name: group.heads[0] for name, group in groups.items()}
-    if resumed is not None:
-        load_model_checkpoints([heads[m] for m in eng.plan.trainers], resumed.train_iteration)
-        settle_peers()
-        restore_driver_and_relay(resumed, stream)
+    if resumed is not None:  # the trainers' checkpoints, the relay window and the driver's RNG, as at the record
+        wait([heads[m].load_checkpoint.remote(resumed.train_iteration) for m in eng.plan.trainers], "resume",
+             run.stage_timeout_s)
+        if resumed.relay_path:
+            wait(stream.load_relay.remote(resumed.relay_path), "resume", run.stage_timeout_s)
+        restore_rng_state(resumed.rng_state)
         msg = (f"resuming after episode {resumed.episode + 1} (trainer iteration {resumed.train_iteration}, "
                f"{resumed.consumed_samples} samples consumed) from {run.data_checkpoint_path}")
         get_run_logger().info(msg)
@@ -178,9 +179,9 @@ def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, gr
                 max_workers=run.param_sync_max_workers)
     if resumed is not None:  # inference copies that may lag their trainer come from their own checkpoint
         lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
-        load_model_checkpoints([heads[m] for m in lagging], resumed.train_iteration)
-        settle_peers()
-    params = _parameter_counts(heads, eng.plan.trainers)
+        wait([heads[m].load_checkpoint.remote(resumed.train_iteration) for m in lagging], "resume",
+             run.stage_timeout_s)
+    params = _parameter_counts(heads, eng.plan.trainers, run.stage_timeout_s)
     if eng.name == "grpo":  # say where the ratio's old log-probs come from
         src = ("the trainer's forward pass in the score stage" if eng.plan.trainers[0] in eng.plan.scorers
                else "generation (the policy holds the trainer's weights, synced every episode)")
@@ -220,10 +221,10 @@ def _show_outputs(cfg: ChatLearnConfig, last: dict[str, Any]) -> None:
                           description=f"where the outputs of {cfg.runtime.exp_name} are")
 
 
-def _parameter_counts(heads: dict[str, Any], trainers: list[str]) -> dict[str, dict[str, int]]:
+def _parameter_counts(heads: dict[str, Any], trainers: list[str], timeout_s: float | None) -> dict[str, dict[str, int]]:
     """Trainable vs total parameters of each trainer (LoRA trains a small share), printed once."""
-    infos = dict(zip(trainers, ray.get([heads[m].call.remote("info") for m in trainers]), strict=True))
-    settle_peers()
+    infos = dict(zip(trainers, wait([heads[m].call.remote("info") for m in trainers], "setup", timeout_s),
+                     strict=True))
     out = {}
     for name, info in infos.items():
         if "trainable_params" in info:
@@ -260,10 +261,10 @@ def _show_layouts(cfg: ChatLearnConfig) -> None:
 train_flow = PrevalidatedFlow(fn=_train, name="chatlearn-train", log_prints=True)
 
 
-def _released_bytes(groups: dict[str, ModelGroup]) -> int:
+def _released_bytes(groups: dict[str, ModelGroup], timeout_s: float | None) -> int:
     """Bytes the colocated models handed over so far (offloaded weights/optimizer states, freed grads)."""
     workers = {h.process: h.actor for g in groups.values() for h in g.actors}
-    reports = ray.get([w.memory_report.remote() for w in workers.values()])
+    reports = wait([w.memory_report.remote() for w in workers.values()], "memory report", timeout_s)
     return sum(n for rep in reports for model in rep.values() for n in model["released"].values())
 
 
@@ -292,7 +293,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         # ChatLearn 1.0.3's enable_eval_before_training: the baseline the eval curve starts from
         initial_eval = evaluate(run, -1, trained={"iteration": 0})["metrics"]["eval_reward_mean"]
         print(f"eval before training: eval_reward_mean={initial_eval:.4g}")
-    released_before = _released_bytes(groups)
+    released_before = _released_bytes(groups, run.stage_timeout_s)
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
@@ -309,12 +310,12 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             metrics["episode_seconds"] = time.perf_counter() - t0
             if episode == first:
                 metrics["startup_seconds"] = startup_seconds
-            released = _released_bytes(groups)
+            released = _released_bytes(groups, run.stage_timeout_s)
             if released:
                 metrics["handover_mb"] = (released - released_before) / 2**20
                 released_before = released
-            metrics["peak_memory_mb"] = max(ray.get([a.peak_memory.remote() for g in groups.values()
-                                                     for a in g.actors]))
+            metrics["peak_memory_mb"] = max(wait([a.peak_memory.remote() for g in groups.values() for a in g.actors],
+                                                 "memory report", run.stage_timeout_s))
             reporter.record(metrics)
             if metrics["checkpoint_paths"]:
                 path = commit_data_checkpoint(cfg, store, metrics)
@@ -335,8 +336,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         path = run_dir / "final" / "policy"
         with writing("the final policy", path):  # a full disk, in the actor too: one RunError naming the path
             path.parent.mkdir(parents=True, exist_ok=True)
-            ray.get(groups[run.plan.export].heads[0].call.remote("export_hf", str(path)))
-        settle_peers()
+            wait(groups[run.plan.export].heads[0].call.remote("export_hf", str(path)), "export", run.stage_timeout_s)
         last["final_policy"] = str(path)
     last.update(summary_extra or {})  # e.g. the exported model's trainable/total parameters
     summary = run_dir / "summary.json"

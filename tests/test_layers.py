@@ -180,3 +180,27 @@ def test_stage_tasks_and_the_episode_take_a_run_handle_not_the_config():
         params = inspect.signature(t.fn).parameters.values()
         assert all(p.annotation is not ChatLearnConfig for p in params), t.name
         assert next(iter(params)).name == "run", t.name
+
+
+# Files whose `ray.get` runs inside a Ray actor, not the driver: they resolve an upstream ref the driver is
+# already waiting on through its stage clock, which cancels the call past the stage's deadline.
+IN_ACTORS = {"chatlearn/runtime/actor.py", "chatlearn/runtime/stream_dataset.py"}
+
+
+def deadline_free_gets(path: str) -> list[int]:
+    """Lines of ``ray.get(...)`` calls without a ``timeout=``."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    return sorted(node.lineno for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  and isinstance(node.func.value, ast.Name) and node.func.value.id == "ray"
+                  and not any(k.arg == "timeout" for k in node.keywords))
+
+
+def test_the_driver_never_waits_without_a_deadline(tmp_path):
+    # one way to wait: chatlearn.runtime.waiting (deadline + stop check); anything else names its timeout
+    found = [f"{os.path.relpath(p, REPO)}:{line}" for p in module_files().values()
+             if os.path.relpath(p, REPO) not in IN_ACTORS for line in deadline_free_gets(p)]
+    assert found == []
+    probe = tmp_path / "probe.py"  # the checker itself
+    probe.write_text("import ray\nray.get(a)\nray.get(b, timeout=3)\nx.get(c)\n")
+    assert deadline_free_gets(str(probe)) == [2]

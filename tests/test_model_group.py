@@ -46,7 +46,7 @@ def _start(models: dict, **runtime):
     nodes, ids = cluster_nodes()
     plan = plan_placement(cfg, names, nodes)
     workers = start_workers(plan, ids, cfg, {n: Probe(n) for n in names})
-    return plan, workers, setup_models(workers, cfg.runtime.concurrent_setup)
+    return plan, workers, setup_models(workers, cfg.runtime.concurrent_setup, 600)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,12 @@ from chatlearn.runtime.model_group import cluster_nodes, setup_models, start_wor
 from chatlearn.runtime.param_sync import SyncError
 from chatlearn.runtime.placement import plan_placement
 from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route, sync_routes
+from chatlearn.runtime.waiting import wait
+
+
+def done(call):
+    """A replica call's result (rank 0's), every rank waited for, as the stages wait."""
+    return wait(call, "test", 600)
 
 
 class GradProbe(PPOPolicyTrainer):
@@ -82,7 +88,7 @@ def start(cfg, modules):
     nodes, ids = cluster_nodes()
     plan = plan_placement(cfg, list(modules), nodes)
     workers = start_workers(plan, ids, cfg, modules)
-    setup_models(workers, True)
+    setup_models(workers, True, 600)
     return workers
 
 
@@ -113,8 +119,8 @@ def test_each_layout_gives_one_process_loss_and_gradients(ray_session, tiny_mode
     try:
         head = workers.groups["ppo_policy"].heads[0]
         assert len(head.ranks) == shape["num_cpu"]
-        stats = ray.get(head.call.remote("train_step", data, 0))
-        got = ray.get(head.call.remote("grads"))
+        stats = done(head.call.remote("train_step", data, 0))
+        got = done(head.call.remote("grads"))
     finally:
         workers.kill()
     for key in ("policy_loss", "clipfrac", "approx_kl", "policy_grad_norm"):
@@ -164,17 +170,17 @@ def test_sharded_checkpoints_load_into_other_world_sizes(ray_session, tiny_qwen2
         try:
             head = workers.groups["ppo_policy"].heads[0]
             if name == "zero2":
-                ray.get(head.call.remote("train_step", data, 0))
-                path = ray.get(head.save_checkpoint.remote(3))
+                done(head.call.remote("train_step", data, 0))
+                path = done(head.save_checkpoint.remote(3))
                 assert os.path.isfile(os.path.join(path, ".metadata"))
-                saved["weights"] = ray.get(head.get_weights.remote())
+                saved["weights"] = done(head.get_weights.remote())
                 stored = torch.distributed.checkpoint.FileSystemReader(path).read_metadata().state_dict_metadata
                 assert "model.model.embed_tokens.weight" in stored and "model.lm_head.weight" not in stored
                 manifest = __import__("json").loads(open(os.path.join(path, "manifest.json")).read())
                 assert manifest["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
             else:
-                ray.get(head.load_checkpoint.remote(3))
-                loaded = ray.get(head.get_weights.remote())
+                done(head.load_checkpoint.remote(3))
+                loaded = done(head.get_weights.remote())
                 assert all(torch.equal(loaded[k], saved["weights"][k]) for k in saved["weights"])
                 assert all(ray.get([r.call.remote("tied") for r in workers.groups["ppo_policy"].replicas[0]]))
         finally:
@@ -232,16 +238,16 @@ def test_sharded_trainer_syncs_into_other_shardings_bit_exactly(ray_session, tin
         assert [len(rep) for rep in dst.replicas] == [policy_tp] * (4 // policy_tp)
         for step in range(2 if free else 1):
             # weights now differ from the files (and from the last sync)
-            ray.get(src.heads[0].call.remote("train_step", micro_batches(seed=step), step))
-            want = ray.get(src.heads[0].get_weights.remote())
-            before = ray.get(dst.heads[-1].get_weights.remote())
+            done(src.heads[0].call.remote("train_step", micro_batches(seed=step), step))
+            want = done(src.heads[0].get_weights.remote())
+            before = done(dst.heads[-1].get_weights.remote())
             assert any(not torch.equal(before[k], want[k]) for k in want)
             stats = sync_routes([route], by_name.__getitem__)[route.key]
             sent = {id(t): t for t in want.values()}.values()  # a tied tensor once
             assert stats["bytes"] == sum(t.numel() * t.element_size() for t in sent)
             assert len(sent) == len(want) - qwen2
             for head in dst.heads:
-                got = ray.get(head.get_weights.remote())
+                got = done(head.get_weights.remote())
                 assert all(torch.equal(got[k], want[k]) for k in want)
                 shards = ray.get(head.ranks[1].call.remote("sync_targets"))
                 assert any(type(t).__name__ == "DTensor" for t in shards.values())  # still TP-sharded
@@ -383,8 +389,8 @@ def test_pipeline_stages_generate_and_score_as_one_process(ray_session, tiny_mod
     try:
         head = workers.groups["policy"].heads[0]
         assert len(head.ranks) == 2
-        got = ray.get(head.call.remote("forward_step", dict(batch), 3))
-        got_eval = ray.get(head.call.remote("eval_step", dict(batch)))
+        got = done(head.call.remote("forward_step", dict(batch), 3))
+        got_eval = done(head.call.remote("eval_step", dict(batch)))
     finally:
         workers.kill()
     assert torch.equal(got["response_ids"], want["response_ids"]) and got["response"] == want["response"]
@@ -442,8 +448,8 @@ def test_dpo_trainer_layouts_give_one_process_gradients(ray_session, tiny_model_
     workers = start(config({"ppo_policy": shape}, str(tmp_path)), {"ppo_policy": DPOGradProbe("ppo_policy")})
     try:
         head = workers.groups["ppo_policy"].heads[0]
-        stats = ray.get(head.call.remote("train_step", data, 0))
-        got = ray.get(head.call.remote("grads"))
+        stats = done(head.call.remote("train_step", data, 0))
+        got = done(head.call.remote("grads"))
     finally:
         workers.kill()
     for key in ("dpo_loss", "reward_accuracy", "policy_grad_norm"):

@@ -70,3 +70,16 @@ def test_the_stage_clock_names_the_models_that_did_not_answer(ray_session):
         clock.get([answer.remote(0), answer.remote(60)], ["ppo_policy", "ppo_value"])
     assert str(err.value) == ("episode 8, train: no result after 1 s from ppo_value (runtime.stage_timeout_s); "
                               "the model is stuck or the limit is too low")
+    # a replica call waits on every rank: rank 0's result comes back, a stuck rank 1 is named by its model,
+    # a failed rank 1 raises its error (nothing is left to settle later)
+    from chatlearn.runtime.handles import Call
+
+    @ray.remote(num_cpus=0)
+    def fail():
+        raise ValueError("rank 1 broke")
+
+    assert clock.get(Call("policy", [answer.remote(1), answer.remote(0)])) == 1
+    with pytest.raises(StageTimeout, match="from policy "):
+        StageClock("generate", 0, timeout_s=1.0).get([Call("policy", [answer.remote(0), answer.remote(60)])])
+    with pytest.raises(ValueError, match="rank 1 broke"):
+        StageClock("generate", 0, timeout_s=30.0).get(Call("policy", [answer.remote(0), fail.remote()]))

@@ -10,10 +10,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import ray
-
 from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
-from chatlearn.checkpoint.model_checkpoint import CheckpointError, capture_rng_state, restore_rng_state
+from chatlearn.checkpoint.model_checkpoint import CheckpointError, capture_rng_state
 from chatlearn.config import ChatLearnConfig
 from chatlearn.utils.faults import crash_point
 
@@ -21,9 +19,7 @@ __all__ = [
     "checkpoint_dirs",
     "commit_data_checkpoint",
     "data_checkpoint_dir",
-    "load_model_checkpoints",
     "models_to_checkpoint",
-    "restore_driver_and_relay",
     "resume_point",
 ]
 
@@ -77,19 +73,6 @@ def models_to_checkpoint(cfg: ChatLearnConfig, trainers: Sequence[str], sync: It
     """Trainers, plus inference copies that may lag their trainer (sync_frequency != 1): those cannot be
     rebuilt from the trainer's weights on resume."""
     return list(trainers) + [dst for _, dst in sync if cfg.models[dst].sync_frequency != 1]
-
-
-def load_model_checkpoints(actors: Iterable[Any], iteration: int) -> None:
-    """Each model (a replica handle: all its ranks; the caller settles the other ranks) loads its own
-    checkpoint of trainer iteration `iteration`."""
-    ray.get([actor.load_checkpoint.remote(iteration) for actor in actors])
-
-
-def restore_driver_and_relay(record: DataCheckpoint, stream: Any) -> None:
-    """The driver's RNG states and the StreamDataset's relay window, as they were at the record."""
-    if record.relay_path:
-        ray.get(stream.load_relay.remote(record.relay_path))
-    restore_rng_state(record.rng_state)
 
 
 def commit_data_checkpoint(cfg: ChatLearnConfig, store: DataCheckpointStore, metrics: dict[str, Any]) -> str:

@@ -8,7 +8,6 @@ bare ObjectRef it finds in task parameters, which would drag rollouts through ev
 thread-pool runner would not, but a boxed ref reads the same under both).
 """
 
-import threading
 from typing import Any
 
 import ray
@@ -95,37 +94,33 @@ class ModelHandle:
         return f"ModelHandle({self.model} in {self.process})"
 
 
-class _Peers(threading.local):
-    """Results of the ranks other than 0 of replica calls made in this thread, checked by `settle_peers`.
-    Per thread: the stage tasks run in driver threads at once (sync and checkpoint after train), and each
-    settles only its own calls."""
+class Call:
+    """One call of one model replica: the ObjectRef of every rank (a replica of several processes runs each
+    call on all its ranks together). ``ref`` is rank 0's, the replica's result; a stage waits on all of them
+    (`StageClock.get`), so a rank that failed or hangs is seen within the stage's deadline. Passed as an
+    argument of another replica call, a Call stands for its result (``ref``)."""
 
-    def __init__(self) -> None:
-        self.refs: list[Any] = []
+    __slots__ = ("model", "refs")
+
+    def __init__(self, model: str, refs: list[Any]):
+        self.model, self.refs = model, refs
+
+    @property
+    def ref(self) -> Any:
+        return self.refs[0]
+
+    def __repr__(self) -> str:
+        return f"Call({self.model}, {len(self.refs)} ranks)"
 
 
-_PEERS = _Peers()
-
-
-def forget_peers() -> None:
-    """Drop what earlier calls of this thread left (a run that failed before settling, in a process that
-    outlives runs: a test session, a thread pool that runs tasks of several runs)."""
-    _PEERS.refs.clear()
-
-
-def settle_peers() -> None:
-    """Wait for the other ranks of every replica call this thread made so far; raises the first error."""
-    refs = list(_PEERS.refs)
-    _PEERS.refs.clear()
-    if refs:
-        ray.get(refs)
+def _ref_of(value: Any) -> Any:
+    return value.ref if isinstance(value, Call) else value
 
 
 class ReplicaHandle:
     """All ranks of one model replica, called as one: ``replica.train.remote(...)`` sends the call to every
-    rank (a replica of several processes runs it together: DDP, FSDP2, tensor parallel) and returns rank 0's
-    ObjectRef; the other ranks' refs are kept for :func:`settle_peers`. For a one-process replica this is
-    the rank's own handle."""
+    rank (a replica of several processes runs it together: DDP, FSDP2, tensor parallel) and returns a
+    :class:`Call` holding every rank's ObjectRef."""
 
     def __init__(self, ranks: list[ModelHandle]):
         self.ranks = ranks
@@ -144,10 +139,10 @@ class _ReplicaMethod:
     def __init__(self, ranks: list[ModelHandle], method: str):
         self.ranks, self.method = ranks, method
 
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        refs = [getattr(r, self.method).remote(*args, **kwargs) for r in self.ranks]
-        _PEERS.refs.extend(refs[1:])
-        return refs[0]
+    def remote(self, *args: Any, **kwargs: Any) -> Call:
+        args = tuple(_ref_of(a) for a in args)
+        kwargs = {k: _ref_of(v) for k, v in kwargs.items()}
+        return Call(self.ranks[0].model, [getattr(r, self.method).remote(*args, **kwargs) for r in self.ranks])
 
 
 class _ModelMethod:

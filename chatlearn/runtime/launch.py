@@ -22,13 +22,14 @@ from chatlearn.config.user_code import shipped_code, user_code
 from chatlearn.data.preflight import preflight, record_keys
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.handles import RuleSpec, RunHandle, forget_peers
+from chatlearn.runtime.handles import RuleSpec, RunHandle
 from chatlearn.runtime.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
 from chatlearn.runtime.placement import NodeSpec, plan_placement
 from chatlearn.runtime.plan import ResolvedEngine
 from chatlearn.runtime.stopping import keep_handlers, on_stop
 from chatlearn.runtime.stream_dataset import StreamDataset
 from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route
+from chatlearn.runtime.waiting import wait
 from chatlearn.utils.devices import fake_gpus
 from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, code_dirs_on_path
 
@@ -215,8 +216,9 @@ def sync_routes_of(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers) 
         route = plan_route(src, dst, [h.process for h in sg.replicas[0]],
                            [[h.process for h in rep] for rep in dg.replicas], collective, cfg.runtime)
         if collective:
-            src_specs, dst_specs = ray.get([by_name[route.src_ranks[0]].sync_specs.remote(src, "src"),
-                                            by_name[route.dst_ranks[0][0]].sync_specs.remote(dst, "dst")])
+            src_specs, dst_specs = wait([by_name[route.src_ranks[0]].sync_specs.remote(src, "src"),
+                                         by_name[route.dst_ranks[0][0]].sync_specs.remote(dst, "dst")], "setup",
+                                        cfg.runtime.stage_timeout_s)
             route.specs = check_specs(route, src_specs, dst_specs)
             if not route.free_group:
                 connect(route, by_name.__getitem__)
@@ -278,7 +280,6 @@ def _launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
 
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
     names = list(eng.modules)
-    forget_peers()
     started_ray = init_ray(cfg, namespace, names)
     stop_guard = contextlib.ExitStack()
     prefix = f"{uuid.uuid4().hex[:8]}-"
@@ -301,7 +302,7 @@ def _launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
         workers = start_workers(plan, node_ids, cfg, eng.modules, namespace, prefix)
         stream = ray.remote(StreamDataset).options(name=prefix + "stream-dataset", namespace=namespace,
                                                    num_cpus=0, max_restarts=0).remote(rt)
-        infos = setup_models(workers, rt.concurrent_setup)
+        infos = setup_models(workers, rt.concurrent_setup, rt.stage_timeout_s)
         write_placement(rt.run_dir, workers, node_ids, infos)
         logger.info("started %d worker processes for %d models in %.1fs", len(workers.actors), len(names),
                     time.perf_counter() - t0)
@@ -310,10 +311,10 @@ def _launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
         sizes = [0]
         if prompts:
             prompts_ref = ray.put(prompts)
-            sizes = ray.get([a.build_dataset.remote(prompts_ref) for a in producer.heads])
+            sizes = wait([a.build_dataset.remote(prompts_ref) for a in producer.heads], "setup", rt.stage_timeout_s)
         if eval_prompts:
             eval_ref = ray.put(eval_prompts)
-            ray.get([a.build_dataset.remote(eval_ref, True) for a in producer.heads])
+            wait([a.build_dataset.remote(eval_ref, True) for a in producer.heads], "setup", rt.stage_timeout_s)
         run = _run_handle(cfg, eng, workers, prefix, namespace, sizes[0], len(eval_prompts), data_checkpoint_path)
         yield run, workers.groups, stream
     finally:

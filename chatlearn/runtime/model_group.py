@@ -20,6 +20,7 @@ from chatlearn.models.base_module import BaseModule
 from chatlearn.models.parallel import DIMS, ParallelDims
 from chatlearn.runtime.handles import ModelHandle, ReplicaHandle
 from chatlearn.runtime.placement import NodeSpec, PlacementError, PlacementPlan
+from chatlearn.runtime.waiting import wait
 from chatlearn.runtime.worker import Worker
 
 logger = logging.getLogger("chatlearn")
@@ -131,6 +132,7 @@ def _join_worlds(plan: PlacementPlan, workers: Workers, cfg: ChatLearnConfig) ->
     group in it, and one group per parallel dimension of size > 1 (data, ZeRO shard, tensor, pipeline; see
     :mod:`chatlearn.models.parallel`). torch requires every rank of a world to create every group, in the same
     order, so the driver lists them once and hands each rank the indices of its own."""
+    timeout_s = cfg.runtime.stage_timeout_s
     calls = []
     for unit in plan.units:
         if len(unit.processes) < 2:
@@ -157,16 +159,16 @@ def _join_worlds(plan: PlacementPlan, workers: Workers, cfg: ChatLearnConfig) ->
                         dim_groups[d] = [index(tuple(ranks[k] for k in g)) for g in dims.groups(d)]
                 layouts[(m, i)] = {"ranks": list(ranks), "group": index(ranks), "dims": dims.__dict__,
                                    "dim_groups": dim_groups}
-        addr, port = ray.get(workers.actors[unit.processes[0]].free_port.remote())
+        addr, port = wait(workers.actors[unit.processes[0]].free_port.remote(), "setup", timeout_s)
         for pid in unit.processes:
             p = plan.processes[pid]
             mine = {m: layouts[(m, replica)] for m, replica, _ in p.members if (m, replica) in layouts}
             calls.append(workers.actors[pid].init_distributed.remote(addr, port, len(unit.processes), p.unit_rank,
                                                                      [list(g) for g in groups], mine))
-    ray.get(calls)
+    wait(calls, "setup", timeout_s)
 
 
-def setup_models(workers: Workers, concurrent: bool) -> dict[str, list[dict[str, Any]]]:
+def setup_models(workers: Workers, concurrent: bool, timeout_s: float | None) -> dict[str, list[dict[str, Any]]]:
     """Run every model rank's `setup`: all at once (``concurrent_setup``) or model by model, as ChatLearn.
 
     Returns each model's setup infos (node, GPU ids, seconds); a model whose ranks did not land on the devices
@@ -174,9 +176,10 @@ def setup_models(workers: Workers, concurrent: bool) -> dict[str, list[dict[str,
     t0 = time.perf_counter()
     if concurrent:  # every rank of every model starts before any result is awaited
         calls = {name: [h.setup.remote() for h in g.actors] for name, g in workers.groups.items()}
-        infos = {name: ray.get(refs) for name, refs in calls.items()}
+        infos = {name: wait(refs, "setup", timeout_s) for name, refs in calls.items()}
     else:
-        infos = {name: ray.get([h.setup.remote() for h in g.actors]) for name, g in workers.groups.items()}
+        infos = {name: wait([h.setup.remote() for h in g.actors], "setup", timeout_s)
+                 for name, g in workers.groups.items()}
     logger.info("set up %d models (%s) in %.1fs", len(infos), "concurrently" if concurrent else "one by one",
                 time.perf_counter() - t0)
     for name, reps in workers.plan.models.items():

@@ -19,8 +19,9 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
+
+from chatlearn.runtime.waiting import wait
 
 # Model methods that make up a stage of the episode; anything else (setup, ping, checkpoint loading) is
 # not an episode's work and gets no range.
@@ -132,7 +133,9 @@ class EpisodeInstruments:
     """The train flow's side: tells every worker process when an episode begins and ends, when `runtime.nsys`
     or `runtime.profiler_dir` asks for it (otherwise it costs nothing), and says once when nsys cannot work."""
 
-    def __init__(self, nsys: bool, profiler_dir: str | None, workers: list[Any], profile_episode: int):
+    def __init__(self, nsys: bool, profiler_dir: str | None, workers: list[Any], profile_episode: int,
+                 timeout_s: float | None = None):
+        self.timeout_s = timeout_s  # runtime.stage_timeout_s
         """``workers``: one Ray actor handle per worker process; ``profile_episode``: the 0-based episode to
         profile (the first one this run trains). A relative ``profiler_dir`` is taken from the driver's
         current directory, where the user ran the command, not the Ray worker's."""
@@ -147,7 +150,7 @@ class EpisodeInstruments:
     def of(cls, runtime: Any, groups: Mapping[str, Any], first_episode: int) -> "EpisodeInstruments":
         """From the run's `runtime` config and model groups (each worker process once, colocated or not)."""
         workers = {h.process: h.actor for g in groups.values() for h in g.actors}
-        return cls(runtime.nsys, runtime.profiler_dir, list(workers.values()), first_episode)
+        return cls(runtime.nsys, runtime.profiler_dir, list(workers.values()), first_episode, runtime.stage_timeout_s)
 
     @contextmanager
     def episode(self, episode: int) -> Iterator[None]:
@@ -157,14 +160,15 @@ class EpisodeInstruments:
         if not (self.nsys or profile):
             yield
             return
-        states = ray.get([w.begin_episode.remote(episode, profile) for w in self.workers])
+        states = wait([w.begin_episode.remote(episode, profile) for w in self.workers], "profiling", self.timeout_s)
         if self.nsys and not self.warned and not all(s["nvtx"] for s in states):
             self.warned = True
             versions = sorted({s["torch"] for s in states if not s["nvtx"]})
             sys.stderr.write(f"chatlearn: warning: {NVTX_NEEDS_CUDA.format(version=', '.join(versions))}\n")
         yield
         if any(s["profiling"] for s in states):
-            paths = [p for ps in ray.get([w.end_episode.remote() for w in self.workers]) for p in ps]
+            ends = wait([w.end_episode.remote() for w in self.workers], "profiling", self.timeout_s)
+            paths = [p for ps in ends for p in ps]
             self.traces += paths
             sys.stderr.write(f"torch profiler traces of episode {episode + 1} (open in https://ui.perfetto.dev): "
                              f"{', '.join(paths)}\n")

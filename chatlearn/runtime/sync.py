@@ -116,7 +116,7 @@ def _wait(route: SyncRoute, refs: dict[str, Any], what: str, grace_s: float = 30
             proc = by_ref[ref]
             pending.pop(proc)
             try:
-                results[proc] = ray.get(ref)
+                results[proc] = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))  # ready: a fetch
             except SyncError:
                 raise
             except Exception as exc:  # noqa: BLE001 - an actor that died or raised: name it

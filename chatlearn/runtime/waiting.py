@@ -1,9 +1,12 @@
-"""How a stage waits for its Ray calls: bounded by `runtime.stage_timeout_s`, and interruptible by a stop.
+"""How the driver waits for its Ray calls: bounded by `runtime.stage_timeout_s`, and interruptible by a stop.
 
 A bare `ray.get` blocks until the result is there: a stuck model (a deadlocked collective, a hook that never
 returns) hangs the run forever, and a SIGTERM only lands when the call returns. `StageClock.get` waits in
 short slices instead; past the stage's deadline it cancels what is still running and raises a RunError
 naming the episode, the stage and the models that did not answer; after a stop signal it raises `Stopped`.
+It waits on every rank of a replica call (a `Call`), so a failed or stuck rank other than 0 is seen too.
+This is the driver's one way to wait for its actors (tests/test_layers.py checks no other `ray.get` in the
+driver goes without a timeout).
 """
 
 import contextlib
@@ -13,6 +16,7 @@ from typing import Any
 
 import ray
 
+from chatlearn.runtime.handles import Call
 from chatlearn.runtime.stopping import Stopped, stop_signal, stopping
 from chatlearn.utils.errors import RunError
 
@@ -24,19 +28,33 @@ class StageTimeout(RunError):
 
 
 class StageClock:
-    """The deadline of one stage of one episode; ``get`` is `ray.get` bounded by it."""
+    """The deadline of one stage of one episode (``episode`` -1: a step outside episodes, e.g. ``setup``);
+    ``get`` is `ray.get` bounded by it. ``seconds()`` is the time since the stage started."""
 
     def __init__(self, stage: str, episode: int, timeout_s: float | None) -> None:
         self.stage, self.episode, self.timeout_s = stage, episode, timeout_s
-        self.deadline = time.monotonic() + timeout_s if timeout_s else None
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout_s if timeout_s else None
 
-    def get(self, refs: Any, models: str | Sequence[str] | None = None) -> Any:
-        """``ray.get(refs)`` (one ref or a list), raising StageTimeout past the deadline (naming ``models``:
-        one name for all refs, or one per ref) and Stopped after a stop signal."""
-        single = not isinstance(refs, list | tuple)
-        every = [refs] if single else list(refs)
-        names = [models] * len(every) if isinstance(models, str) or models is None else list(models)
-        pending = every
+    def seconds(self) -> float:
+        return time.monotonic() - self.start
+
+    def get(self, calls: Any, models: str | Sequence[str] | None = None) -> Any:
+        """The results of ``calls``: one or a list of replica `Call`s (rank 0's result each; every rank waited
+        for) or ObjectRefs. Raises StageTimeout past the deadline, naming ``models`` (one name for all, one
+        per call; default: each Call's model) and Stopped after a stop signal."""
+        single = not isinstance(calls, list | tuple)
+        every = [calls] if single else list(calls)
+        if isinstance(models, str):
+            names = [models] * len(every)
+        elif models is None:
+            names = [c.model if isinstance(c, Call) else None for c in every]
+        else:
+            names = list(models)
+        groups = [c.refs if isinstance(c, Call) else [c] for c in every]
+        flat = [r for g in groups for r in g]
+        owner = {r: n for g, n in zip(groups, names, strict=True) for r in g}
+        pending = flat
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=_SLICE_S, fetch_local=False)
             if not pending:
@@ -44,7 +62,7 @@ class StageClock:
             if stopping():
                 raise Stopped(stop_signal() or "SIGTERM")
             if self.deadline is not None and time.monotonic() > self.deadline:
-                waiting = sorted({n for r, n in zip(every, names, strict=True) if r in pending and n})
+                waiting = sorted({owner[r] for r in pending if owner[r]})
                 for ref in pending:
                     with contextlib.suppress(Exception):
                         ray.cancel(ref)
@@ -52,4 +70,17 @@ class StageClock:
                 where = f"episode {self.episode + 1}, {self.stage}" if self.episode >= 0 else self.stage
                 raise StageTimeout(f"{where}: no result after {self.timeout_s:g} s"
                                    f"{who} (runtime.stage_timeout_s); the model is stuck or the limit is too low")
-        return ray.get(refs)
+        # everything is done: this only fetches (a rank's error raises here); the slack covers a slow transfer
+        left = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0) + 60.0
+        values = ray.get(flat, timeout=left)
+        firsts, i = [], 0
+        for g in groups:
+            firsts.append(values[i])
+            i += len(g)
+        return firsts[0] if single else firsts
+
+
+def wait(calls: Any, step: str, timeout_s: float | None) -> Any:
+    """`StageClock.get` for one step of the driver outside an episode (``setup``, ``resume``, ``export``):
+    the same deadline (`runtime.stage_timeout_s`), stop check and waiting on every rank."""
+    return StageClock(step, -1, timeout_s).get(calls)
