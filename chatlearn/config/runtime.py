@@ -161,7 +161,8 @@ class RuntimeConfig(Section):
     stage_timeout_s: float = Field(
         default=3600.0, gt=0,
         description="seconds one episode stage (generate, score, train, sync, checkpoint, eval) may take before "
-        "the run fails naming the stage and the model",
+        "the run fails naming the stage and the model; a step outside the episodes (model setup, resume, export) "
+        "gets this or 600 s, whichever is longer",
     )
     # -- the run directory keeps its run (not in ChatLearn, which overwrites an earlier run's results) --
     resume_with_changes: bool = Field(

@@ -176,9 +176,9 @@ def setup_models(workers: Workers, concurrent: bool, timeout_s: float | None) ->
     t0 = time.perf_counter()
     if concurrent:  # every rank of every model starts before any result is awaited
         calls = {name: [h.setup.remote() for h in g.actors] for name, g in workers.groups.items()}
-        infos = {name: wait(refs, "setup", timeout_s) for name, refs in calls.items()}
+        infos = {name: wait(refs, "setup", timeout_s, name) for name, refs in calls.items()}
     else:
-        infos = {name: wait([h.setup.remote() for h in g.actors], "setup", timeout_s)
+        infos = {name: wait([h.setup.remote() for h in g.actors], "setup", timeout_s, name)
                  for name, g in workers.groups.items()}
     logger.info("set up %d models (%s) in %.1fs", len(infos), "concurrently" if concurrent else "one by one",
                 time.perf_counter() - t0)

@@ -80,7 +80,13 @@ class StageClock:
         return firsts[0] if single else firsts
 
 
-def wait(calls: Any, step: str, timeout_s: float | None) -> Any:
+# Steps outside an episode (loading a large model in `setup`, exporting it) may take longer than a stage
+# limit tuned for the episodes; they get at least this much.
+MIN_STEP_TIMEOUT_S = 600.0
+
+
+def wait(calls: Any, step: str, timeout_s: float | None, models: str | Sequence[str] | None = None) -> Any:
     """`StageClock.get` for one step of the driver outside an episode (``setup``, ``resume``, ``export``):
-    the same deadline (`runtime.stage_timeout_s`), stop check and waiting on every rank."""
-    return StageClock(step, -1, timeout_s).get(calls)
+    the stop check, every rank waited for, and the deadline `runtime.stage_timeout_s`, but at least
+    `MIN_STEP_TIMEOUT_S`."""
+    return StageClock(step, -1, max(timeout_s, MIN_STEP_TIMEOUT_S) if timeout_s else None).get(calls, models)
