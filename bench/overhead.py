@@ -493,13 +493,14 @@ def main(argv: list[str]) -> dict:
     from chatlearn.checkpoint.resume import data_checkpoint_dir
     from chatlearn.config import load_config
     from chatlearn.runtime.launch import init_ray, launch
-    from chatlearn.runtime.plan import resolve_engine
     from chatlearn.runtime.prefect_server import local_prefect_api
+    from chatlearn.runtime.prepared import prepare_run
     from chatlearn.runtime.sync import sync_routes
     from flows.episode_flow import episode_flow
 
     cfg = load_config(None, [f"runtime.output_dir={out}", "runtime.exp_name=overhead", *args.overrides])
-    eng = resolve_engine(cfg)
+    prepared = prepare_run(cfg)
+    eng = prepared.engine
     rt = cfg.runtime
     on_ray = episode_flow.with_options(task_runner=RayTaskRunner())
 
@@ -533,7 +534,7 @@ def main(argv: list[str]) -> dict:
 
     @flow(name="bench-overhead", task_runner=RayTaskRunner(), validate_parameters=False)
     def bench_flow() -> dict:
-        with launch(cfg, eng, data_checkpoint_dir(cfg)) as (run, groups, stream):
+        with launch(prepared, data_checkpoint_dir(cfg)) as (run, groups, stream):
             sync_routes(run.sync_routes, run.actor, concurrent=run.concurrent_comm,
                         max_workers=run.param_sync_max_workers)
             remote = ray.remote(num_cpus=0, max_retries=0)(_stage_in_worker)

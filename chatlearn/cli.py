@@ -94,20 +94,22 @@ def _announce(msg: str) -> None:
 
 def cmd_eval(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
-    from chatlearn.data.preflight import preflight
-    from chatlearn.runtime.engine import build_engine
+    from chatlearn.runtime.engine import engine_of
     from chatlearn.runtime.launch import check_local_placement
+    from chatlearn.runtime.plan import resolve_engine
     from chatlearn.runtime.prefect_server import local_prefect_api
+    from chatlearn.runtime.prepared import prepare_run
     from chatlearn.runtime.stopping import stop_on_signals
 
     cfg = _load(items, engine="eval")
-    engine = build_engine(cfg, engine="eval")
-    check_local_placement(cfg, list(engine.modules))  # a layout this machine cannot hold: one line, now
-    preflight(cfg, engine)  # model paths, data, prompt lengths: errors before the Prefect server or Ray start
+    resolved = resolve_engine(cfg, engine="eval")
+    check_local_placement(cfg, list(resolved.modules))  # a layout this machine cannot hold: one line, now
+    # model paths, data, prompt lengths: errors before the Prefect server or Ray start
+    prepared = prepare_run(cfg, resolved=resolved)
     # eval writes run_dir/eval.json: one command per run directory, as for train (RunError naming the holder)
     with stop_on_signals(), lock_run_dir(cfg.runtime.run_dir), run_log(cfg.runtime.run_dir), \
             local_prefect_api(announce=_announce):
-        metrics = engine.eval(cfg)
+        metrics = engine_of(prepared.engine).eval(prepared)
     print(json.dumps(metrics, indent=1, default=str))
     return 0
 
@@ -115,14 +117,14 @@ def cmd_eval(items: list[str]) -> int:
 def cmd_train(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
     from chatlearn.checkpoint.resume import checkpoint_dirs
-    from chatlearn.data.preflight import preflight
-    from chatlearn.runtime.engine import build_engine
+    from chatlearn.runtime.engine import engine_of
     from chatlearn.runtime.launch import check_local_placement
+    from chatlearn.runtime.plan import resolve_engine
     from chatlearn.runtime.prefect_server import local_prefect_api
+    from chatlearn.runtime.prepared import prepare_run
     from chatlearn.runtime.stopping import stop_on_signals
 
     cfg = _load(items)
-    engine = build_engine(cfg)
     node = dlc_node(cfg.runtime_env.platform)
     if node is not None and "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
         # a DLC job's nodes share no token file: Ray's default would give the head a token its workers lack
@@ -135,16 +137,18 @@ def cmd_train(items: list[str]) -> int:
     if state.complete:
         print(f"chatlearn: {state.complete_message(cfg)}", file=sys.stderr)
         return 0
+    resolved = resolve_engine(cfg)
     if node is None:  # a DLC job's placement needs its nodes: checked against them once they joined
-        check_local_placement(cfg, list(engine.modules))  # a layout this machine cannot hold: said now
-    preflight(cfg, engine)  # model paths, data, prompt lengths: errors before the Prefect server or Ray start
+        check_local_placement(cfg, list(resolved.modules))  # a layout this machine cannot hold: said now
+    # model paths, data, prompt lengths: errors before the Prefect server or Ray start
+    prepared = prepare_run(cfg, resolved=resolved)
     # one run per run directory, taken before the Prefect server starts (the train flow re-enters it in this
     # process); the run and checkpoint directories are checked writable here too
     # run_log: the run's log file; a RunError's tracebacks go there, not to the terminal
     # stop_on_signals: SIGTERM / Ctrl-C stop within seconds and leave the Prefect server (chatlearn.runtime.stopping)
     with stop_on_signals(), lock_run_dir(cfg.runtime.run_dir, checkpoint_dirs(cfg)), run_log(cfg.runtime.run_dir), \
             _dlc_head(node), local_prefect_api(announce=_announce):
-        result = engine.learn(cfg)
+        result = engine_of(prepared.engine).learn(prepared)
     print(f"run directory: {cfg.runtime.run_dir}", file=sys.stderr)
     if result.get("final_policy"):
         print(f"final policy: {result['final_policy']}", file=sys.stderr)

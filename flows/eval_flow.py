@@ -17,8 +17,9 @@ from uuid import UUID
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
+from chatlearn.config import EngineChecks
 from chatlearn.runtime.launch import launch
-from chatlearn.runtime.plan import resolve_engine
+from chatlearn.runtime.prepared import handed_down, prepare_run
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
@@ -59,9 +60,11 @@ def _eval(config: ConfigParam | None = None, config_path: str | None = None, ove
             raise ValueError(f"train_run: {train_run} exported no final policy (its engine exports none)")
         overrides += [f"models.policy.args_dict.model_path={outputs['final_policy']}",
                       f"runtime.output_dir={outputs['run_dir']}", "runtime.exp_name=eval"]
-    cfg = config_of(config, config_path, overrides)
-    eng = resolve_engine(cfg, modules, "eval")  # raises ConfigError before any actor exists
-    with launch(cfg, eng) as (run, _groups, _stream):
+    # a direct call prepared the run before the flow run existed (unless it evaluates a train run's policy)
+    prepared = handed_down() or prepare_run(
+        config_of(config, config_path, overrides, [EngineChecks("eval", modules or {})]), modules, "eval")
+    cfg, eng = prepared.cfg, prepared.engine
+    with launch(prepared) as (run, _groups, _stream):
         result = evaluate(run, -1)
     metrics = dict(result["metrics"], eval_num_samples=run.eval_dataset_size, eval_seconds=result["seconds"],
                    model_path=(cfg.models[eng.plan.producer].args_dict or {}).get("model_path"))
@@ -73,4 +76,5 @@ def _eval(config: ConfigParam | None = None, config_path: str | None = None, ove
     return metrics
 
 
-eval_flow = PrevalidatedFlow(fn=_eval, engine="eval", name="chatlearn-eval", log_prints=True)
+eval_flow = PrevalidatedFlow(fn=_eval, engine="eval", prepares_inside=lambda kwargs: bool(kwargs.get("train_run")),
+                             name="chatlearn-eval", log_prints=True)

@@ -1,10 +1,11 @@
-"""Flows that validate their config before a flow run exists, and the config parameter they take.
+"""Flows that prepare their run before a flow run exists, and the config parameter they take.
 
-A direct call (`train_flow(cfg)`, `engine.learn()`, `chatlearn train`) loads the config and runs the engine's
-checks first, all problems in one error, so an invalid config never shows up in the UI as a failed run.
+A direct call (`train_flow(cfg)`, `engine.learn()`, `chatlearn train`) loads the config with the engine's
+checks (all problems in one error) and prepares the run (`chatlearn.runtime.prepared`: engine, model files,
+data) first, so an invalid config or a bad record never shows up in the UI as a failed run; the flow body
+gets that prepared run. A caller that prepared the run already (the CLI) passes the `PreparedRun` itself.
 Deployment runs skip `__call__`: Prefect validates the parameter against the config's schema (server side,
-then in the flow run), and the flow body runs the engine's checks before any actor exists. A config checks
-each engine's checks once (it remembers what it passed), however many of these layers ask.
+then in the flow run), and the flow body prepares the run before any actor exists.
 
 A direct call with no Prefect API configured runs against the shared local server that `chatlearn train`
 uses (`chatlearn.runtime.prefect_server.local_prefect_api`, announced on stderr), not in Prefect's
@@ -16,7 +17,7 @@ worker) the call changes nothing: its runs belong with the parent's, on the pare
 import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 from prefect import Flow
@@ -25,6 +26,7 @@ from pydantic import BeforeValidator
 
 from chatlearn.config import ChatLearnConfig, ConfigCheck, ConfigError, EngineChecks, load_config
 from chatlearn.runtime.prefect_server import local_prefect_api
+from chatlearn.runtime.prepared import PreparedRun, handing_down, prepare_run
 
 
 def _load_if_not_config(value: Any) -> Any:
@@ -45,21 +47,33 @@ def config_of(config: Any = None, config_path: str | None = None, overrides: Seq
 
 
 class PrevalidatedFlow(Flow):
-    """A flow whose direct calls validate the config, engine checks included, before a flow run exists.
+    """A flow whose direct calls prepare the run (config checks, engine, data) before a flow run exists.
 
     `engine` fixes the engine (the eval flow); otherwise the call's `engine` argument or `runtime.engine`.
+    `prepares_inside(kwargs)`: whether the flow body must prepare the run itself (the eval of a train run
+    reads the policy to evaluate inside the flow); the config is still checked before.
     """
 
-    def __init__(self, fn: Any, engine: str | None = None, **kwargs: Any):
+    def __init__(self, fn: Any, engine: str | None = None,
+                 prepares_inside: Callable[[dict[str, Any]], bool] | None = None, **kwargs: Any):
         super().__init__(fn=fn, **kwargs)
         self.fixed_engine = engine
+        self.prepares_inside = prepares_inside
 
     def __call__(self, config: Any = None, modules: dict[str, Any] | None = None, *, config_path: str | None = None,
                  overrides: Sequence[str] | None = None, **kwargs: Any) -> Any:
         engine = self.fixed_engine or kwargs.get("engine")
-        cfg = config_of(config, config_path, overrides, [EngineChecks(engine, modules or {})])
-        with _api_for_direct_call():
-            return super().__call__(cfg, modules=modules, **kwargs)
+        if isinstance(config, PreparedRun):
+            if config_path or overrides:
+                raise ConfigError("config: a prepared run takes no config_path or overrides")
+            prepared: PreparedRun | None = config
+        else:
+            cfg = config_of(config, config_path, overrides, [EngineChecks(engine, modules or {})])
+            inside = self.prepares_inside is not None and self.prepares_inside(kwargs)
+            prepared = None if inside else prepare_run(cfg, modules, engine)
+        handing = handing_down(prepared) if prepared is not None else contextlib.nullcontext()
+        with _api_for_direct_call(), handing:
+            return super().__call__(prepared.cfg if prepared is not None else cfg, modules=modules, **kwargs)
 
 
 def _announce(msg: str) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,14 +34,14 @@ from chatlearn.checkpoint.resume import (
     resume_point,
 )
 from chatlearn.checkpoint.run_config import inspect_run_dir, record_progress, record_start
-from chatlearn.config import ChatLearnConfig
-from chatlearn.data.preflight import preflight
+from chatlearn.config import ChatLearnConfig, EngineChecks
 from chatlearn.models.parallel import ParallelDims
 from chatlearn.runtime.handles import RunHandle
 from chatlearn.runtime.launch import launch
 from chatlearn.runtime.model_group import ModelGroup
 from chatlearn.runtime.placement import PlacementError, table_text
-from chatlearn.runtime.plan import ResolvedEngine, resolve_engine
+from chatlearn.runtime.plan import ResolvedEngine
+from chatlearn.runtime.prepared import PreparedRun, handed_down, prepare_run
 from chatlearn.runtime.profiling import EpisodeInstruments
 from chatlearn.runtime.recovery import ProcessLost, alive_node_ids, process_loss
 from chatlearn.runtime.reporting import EpisodeReporter, RunArtifacts, artifact_key, json_safe
@@ -70,15 +71,18 @@ def _train(config: ConfigParam | None = None, config_path: str | None = None, ov
         engine: the engine (`rlhf`, `grpo`, `dpo`, `online_dpo`); default: `runtime.engine`
     """
     t_start = time.perf_counter()
-    cfg = deployment_run(config_of(config, config_path, overrides))
-    eng = resolve_engine(cfg, modules, engine)  # raises ConfigError before any actor exists
-    preflight(cfg, eng)  # model paths, data, prompt lengths (ConfigError, DataError); `launch` reuses its records
+    # a direct call prepared the run before the flow run existed; a deployment run prepares it here: config
+    # checks, model paths, data, prompt lengths (ConfigError, DataError) before any actor exists
+    prepared = handed_down() or prepare_run(
+        deployment_run(config_of(config, config_path, overrides, [EngineChecks(engine, modules or {})])), modules,
+        engine)
+    cfg = prepared.cfg
     run_dir = Path(cfg.runtime.run_dir)
     # one run per run directory until the end (RunError naming the holder; `chatlearn train` already holds it:
     # re-entry only counts up), and the run and checkpoint directories writable, checked before Ray starts
     lock = lock_run_dir(run_dir, checkpoint_dirs(cfg))
     try:
-        return _train_locked(cfg, eng, run_dir, t_start)
+        return _train_locked(prepared, run_dir, t_start)
     except Exception as exc:
         if stopping():  # whatever a stop broke on its way (a killed actor, Ray's signal check): the flow run
             raise Stopped(stop_signal() or "SIGTERM") from exc  # ends Crashed "interrupted", not Failed
@@ -87,13 +91,23 @@ def _train(config: ConfigParam | None = None, config_path: str | None = None, ov
         lock.release()
 
 
-def _train_locked(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_start: float) -> dict:
+@dataclass
+class Progress:
+    """Where a run is, for a restart after a lost model process: the episode running (None: starting), and
+    whether this run committed a checkpoint yet (then the restart resumes from it)."""
+
+    episode: int | None = None
+    committed: bool = False
+
+
+def _train_locked(prepared: PreparedRun, run_dir: Path, t_start: float) -> dict:
     """`_train` with the run directory locked: the resume point, the actors, the episodes.
 
     A model process that dies (killed, out of memory, its node lost) does not end the run: the remaining
     actors are torn down, a fresh set is started, and the run resumes from its last checkpoint as a re-run
     would (exact), at most `runtime.max_restarts` times (`chatlearn.runtime.recovery`).
     """
+    cfg = prepared.cfg
     # complete, a continuation, refused (a config that changes results: RunDirConflict) or started over
     state = inspect_run_dir(cfg)
     if state.complete:
@@ -112,11 +126,11 @@ def _train_locked(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_st
     claim_run_dir(run_dir)  # a SIGKILLed earlier run here still shows Running: mark it Crashed, record us
     record_start(cfg, state)
     restarts = 0
-    progress: dict[str, Any] = {}
+    progress = Progress()
     previous: ProcessLost | None = None
     while True:
         try:
-            return _attempt(cfg, eng, run_dir, t_start, progress)
+            return _attempt(prepared, run_dir, t_start, progress)
         except PlacementError as exc:
             if previous is None or not previous.nodes:
                 raise
@@ -129,9 +143,10 @@ def _train_locked(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_st
             limit = cfg.runtime.max_restarts
             if restarts > limit:
                 raise RunError(f"{lost.message}; gave up after {limit} restart(s) (runtime.max_restarts)") from lost
-            if progress.get("committed"):  # this run's own checkpoints are the restart point, whatever the config
+            if progress.committed:  # this run's own checkpoints are the restart point, whatever the config
                 cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(
                     update={"enable_resume_training": True, "load_data_checkpoint_iteration": None})})
+                prepared = prepared.with_config(cfg)
             msg = (f"{lost.message}; recreating the model processes and resuming from the last checkpoint "
                    f"(restart {restarts} of at most {limit})")
             get_run_logger().warning(msg)
@@ -139,18 +154,18 @@ def _train_locked(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_st
             t_start = time.perf_counter()
 
 
-def _attempt(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_start: float,
-             progress: dict[str, Any]) -> dict:
+def _attempt(prepared: PreparedRun, run_dir: Path, t_start: float, progress: Progress) -> dict:
     """One start of the run's actors, from the resume point, to the end (or a ProcessLost)."""
+    cfg, eng = prepared.cfg, prepared.engine
     resumed = resume_point(cfg)  # a missing or bad chosen record fails here too
-    progress["episode"] = None
-    with launch(cfg, eng, data_checkpoint_dir(cfg)) as (run, groups, stream):
+    progress.episode = None
+    with launch(prepared, data_checkpoint_dir(cfg)) as (run, groups, stream):
         processes = {name: run.actor(name) for reps in run.actors.values() for rep in reps for name in rep}
         nodes_before = alive_node_ids()
         try:
             last = _start_and_run(cfg, eng, run, groups, stream, run_dir, resumed, t_start, progress)
         except Exception as exc:
-            lost = None if stopping() else process_loss(exc, processes, nodes_before, progress.get("episode"))
+            lost = None if stopping() else process_loss(exc, processes, nodes_before, progress.episode)
             if lost is None:
                 raise
             raise lost from exc
@@ -160,7 +175,7 @@ def _attempt(cfg: ChatLearnConfig, eng: ResolvedEngine, run_dir: Path, t_start: 
 
 def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, groups: dict[str, ModelGroup],
                    stream: Any, run_dir: Path, resumed: DataCheckpoint | None, t_start: float,
-                   progress: dict[str, Any]) -> dict:
+                   progress: Progress) -> dict:
     _show_placement(run)
     _show_layouts(cfg)
     heads = {name: group.heads[0] for name, group in groups.items()}
@@ -270,10 +285,10 @@ def _released_bytes(groups: dict[str, ModelGroup], timeout_s: float | None) -> i
 
 def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], run_dir: Path,
                   resumed: DataCheckpoint | None, startup_seconds: float = 0.0,
-                  summary_extra: dict[str, Any] | None = None, progress: dict[str, Any] | None = None) -> dict:
+                  summary_extra: dict[str, Any] | None = None, progress: Progress | None = None) -> dict:
     """The episodes from the resume point on; `progress` says which episode is running and whether this run
     committed a checkpoint yet (what a restart after a lost process resumes from)."""
-    progress = {} if progress is None else progress
+    progress = Progress() if progress is None else progress
     rt = cfg.runtime
     store = DataCheckpointStore(run.data_checkpoint_path)
     first = resumed.episode + 1 if resumed is not None else 0
@@ -297,7 +312,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
-            progress["episode"] = episode
+            progress.episode = episode
             crash_point("episode_start", episode)
             # no heartbeat thread of the episode's own: a sync subflow joins it on exit, and it sleeps in 1 s
             # steps (up to 1 s an episode, ../shared/reference/prefect_ray.md); the train flow's heartbeat still
@@ -320,7 +335,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             if metrics["checkpoint_paths"]:
                 path = commit_data_checkpoint(cfg, store, metrics)
                 record_progress(cfg, episode + 1)
-                progress["committed"] = True
+                progress.committed = True
                 create_markdown_artifact(
                     key=reporter.artifact_key("data-checkpoint"),
                     markdown=f"latest data checkpoint of **{rt.exp_name}**: episode {episode + 1}, trainer "

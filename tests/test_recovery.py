@@ -9,6 +9,7 @@ import pytest
 
 from chatlearn.config import load_config
 from chatlearn.runtime.placement import PlacementError
+from chatlearn.runtime.prepared import PreparedRun
 from chatlearn.runtime.recovery import ProcessLost
 from chatlearn.utils.errors import RunError
 
@@ -22,11 +23,12 @@ def attempts(monkeypatch, tmp_path):
     script: list = []
     seen: list = []
 
-    def attempt(cfg, eng, run_dir, t_start, progress):
-        seen.append(cfg)
+    def attempt(prepared, run_dir, t_start, progress):
+        seen.append(prepared.cfg)
         outcome = script.pop(0)
         if isinstance(outcome, BaseException):
-            progress.update(getattr(outcome, "progress", {}))
+            for key, value in getattr(outcome, "progress", {}).items():
+                setattr(progress, key, value)
             raise outcome
         return outcome
 
@@ -42,7 +44,7 @@ def attempts(monkeypatch, tmp_path):
 
 def run(tmp_path, *overrides):
     cfg = load_config(None, [f"runtime.output_dir={tmp_path}", *overrides])
-    return train_flow._train_locked(cfg, None, tmp_path / "run", 0.0)
+    return train_flow._train_locked(PreparedRun(cfg, None, None), tmp_path / "run", 0.0)
 
 
 def lost(episode: int, committed: bool, nodes=()) -> ProcessLost:

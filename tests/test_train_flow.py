@@ -179,12 +179,16 @@ def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, ti
     chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine", "runtime.save_episode_interval=1"))
     engine = chatlearn.RLHFEngine(PolicyInference("policy"), ReferenceModel("reference"), RuleReward("reward"),
                                   ValueModel("value"), PPOPolicyTrainer("ppo_policy"), PPOValueTrainer("ppo_value"))
-    runs = []
-    checks = EngineChecks.__call__
-    monkeypatch.setattr(EngineChecks, "__call__", lambda self, cfg: runs.append(self.key(cfg)) or checks(self, cfg))
+    import chatlearn.runtime.prepared as prepared
+
+    runs, reads = [], []
+    checks, preflight = EngineChecks.__call__, prepared.preflight
+    monkeypatch.setattr(EngineChecks, "__call__", lambda self, cfg: runs.append(self.modules) or checks(self, cfg))
+    monkeypatch.setattr(prepared, "preflight", lambda cfg, eng: reads.append(eng.name) or preflight(cfg, eng))
     result = engine.learn()
-    # learn(), the flow's call and its body all need the engine's checks with these modules: run once
-    assert len(runs) == 1 and "ppo_policy=chatlearn.models.hf.ppo_trainer.PPOPolicyTrainer" in runs[0]
+    # learn() prepares the run once (checks with these modules, data read); the flow's call and body take it
+    assert len(runs) == 1 and type(runs[0]["ppo_policy"]) is PPOPolicyTrainer
+    assert reads == ["rlhf"]
     assert result["episode"] == 0 and result["train_steps"] == 1
     rows = (tmp_path / "engine" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1 and "eval_reward_mean" not in json.loads(rows[0])

@@ -49,10 +49,6 @@ class EngineChecks:
     engine: str | None = None
     modules: Mapping[str, Any] = field(default_factory=dict)
 
-    def key(self, cfg: ChatLearnConfig) -> str:
-        given = ",".join(f"{n}={type(m).__module__}.{type(m).__qualname__}" for n, m in sorted(self.modules.items()))
-        return f"engine:{engine_name(cfg, self.engine)}:{given}"
-
     def __call__(self, cfg: ChatLearnConfig) -> list[str]:
         with _py_modules_importable(cfg), user_code(cfg):
             return self._problems(cfg)

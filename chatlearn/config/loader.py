@@ -519,8 +519,8 @@ def load_config(
     """A validated config from a YAML path (default: the embedded default), a dict, or a config object.
 
     ``overrides`` are ``dotted.key=value`` strings; ``checks`` are run in the same pass (an engine's checks,
-    see :mod:`chatlearn.config.engine_checks`), so one ConfigError lists every problem. A config object that
-    already passed a check is not checked again.
+    see :mod:`chatlearn.config.engine_checks`), so one ConfigError lists every problem. A config object is
+    checked again (the entry point of a run loads its config once: `chatlearn.runtime.prepared`).
     """
     checks = list(checks)
     if isinstance(source, ChatLearnConfig):

@@ -33,13 +33,7 @@ _CHECKED = "_chatlearn_config_checked"
 
 @runtime_checkable
 class ConfigCheck(Protocol):
-    """A check beyond the config's own: ``check(cfg)`` returns problems as ``"dotted.path: message"``.
-
-    ``check.key(cfg)`` names what was checked (e.g. ``"engine:rlhf:"``): a config that passed a check with
-    that key is not checked again.
-    """
-
-    def key(self, cfg: "ChatLearnConfig") -> str: ...
+    """A check beyond the config's own: ``check(cfg)`` returns problems as ``"dotted.path: message"``."""
 
     def __call__(self, cfg: "ChatLearnConfig") -> list[str]: ...
 
@@ -68,7 +62,6 @@ class ChatLearnConfig(BaseModel):
         default_factory=DeploymentConfig,
         description="how `chatlearn deploy`/`serve` register this config with Prefect (name, cron, overlap)",
     )
-    _checks_passed: set[str] = PrivateAttr(default_factory=set)
     _validated: bool = PrivateAttr(default=False)  # its own checks passed (Prefect validates parameters again)
 
     @model_validator(mode="before")
@@ -135,12 +128,10 @@ def collect_problems(cfg: ChatLearnConfig, checks: Iterable[ConfigCheck] = ()) -
 
 
 def run_checks(cfg: ChatLearnConfig, checks: Iterable[ConfigCheck]) -> ChatLearnConfig:
-    """Run the ``checks`` this config has not passed yet; raise one ConfigError listing every problem."""
-    todo = [c for c in checks if c.key(cfg) not in cfg._checks_passed]
-    problems = _run(todo, cfg)
+    """Run the ``checks``; raise one ConfigError listing every problem."""
+    problems = _run(checks, cfg)
     if problems:
         raise ConfigError(problems)
-    cfg._checks_passed.update(c.key(cfg) for c in todo)
     return cfg
 
 
@@ -212,7 +203,6 @@ def validate_config(
         {"runtime_env": runtime_env, "runtime": runtime, "models": models, "deployment": deployment},
         context=ctx, **kwargs,
     )
-    cfg._checks_passed.update(c.key(cfg) for c in checks)
     return cfg
 
 

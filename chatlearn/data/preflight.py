@@ -2,9 +2,9 @@
 
 `chatlearn train` used to find a typo in `model_path`, a non-UTF-8 line or a prompt too long for the model
 only after the Prefect server, Ray and a flow run were up, as a traceback from an actor. :func:`preflight`
-runs the same checks on the driver first (`chatlearn train`/`eval` call it before `local_prefect_api`, the
-train flow before it claims the run directory, and `launch` takes its records from it before Ray starts, so
-the eval flow and Python callers are covered too), and reports:
+runs the same checks on the driver first, once per run, when the entry point prepares the run
+(`chatlearn.runtime.prepared`: before `chatlearn train`/`eval` start the Prefect server, before a flow claims
+the run directory; `launch` takes the records from the prepared run), and reports:
 
 * a model file problem as a :class:`~chatlearn.config.ConfigError` naming ``models.<name>.args_dict.<field>``
   (from each module's ``check_files``: the built-in Hugging Face modules check ``model_path`` and build the
@@ -15,8 +15,7 @@ the eval flow and Python callers are covered too), and reports:
   DataError naming the file and line, or cut to fit, keeping its end, where the producer's
   ``args_dict.truncate_long_prompts`` is true.
 
-Neither Ray nor Prefect is imported here. The last result is kept (keyed by the config's relevant parts and
-the files' sizes and times), so the CLI, the flow and `launch` of one run read and tokenize the data once.
+Neither Ray nor Prefect is imported here.
 """
 
 import logging
@@ -71,9 +70,6 @@ class _Budget(NamedTuple):
     owner: str  # "models.<producer>.args_dict"
 
 
-_last: tuple[Any, PreparedData] | None = None
-
-
 def record_keys(producer: Any, args: Mapping[str, Any]) -> list[str]:
     """The string fields every data record must hold for the producer: its prompt (``prompt_key``), and a
     DPO pair's two responses (``chosen_key``, ``rejected_key``) when the producer reads pairs."""
@@ -89,17 +85,11 @@ def preflight(cfg: ChatLearnConfig, eng: _Engine) -> PreparedData:
     """Check the engine's model files and the run's data; returns the records `launch` hands the producer.
 
     Raises ConfigError (every model file problem, as dotted paths) or DataError (the first bad record, by file
-    and line). Builds the embedded tiny model where the config asks for it.
+    and line). Builds the embedded tiny model where the config asks for it. Called once per run, by
+    `chatlearn.runtime.prepared.prepare_run`.
     """
-    global _last
     check_model_files(cfg, eng.modules)
-    key = _cache_key(cfg, eng)
-    if _last is not None and key is not None and _last[0] == key:
-        return PreparedData(list(_last[1].prompts), list(_last[1].eval_prompts))
-    data = _prepare_data(cfg, eng)
-    if key is not None:
-        _last = (key, data)
-    return PreparedData(list(data.prompts), list(data.eval_prompts))
+    return _prepare_data(cfg, eng)
 
 
 def check_model_files(cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> None:
@@ -129,30 +119,6 @@ def _as_list(paths: str | Sequence[str] | None) -> list[str]:
     if not paths:
         return []
     return [str(paths)] if isinstance(paths, str | os.PathLike) else [str(p) for p in paths]
-
-
-def _stat(path: str) -> tuple[str, int, int] | None:
-    """A file's identity for the cache: a file rewritten between two calls (same run or not) is read again."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return os.path.abspath(path), st.st_size, st.st_mtime_ns
-
-
-def _cache_key(cfg: ChatLearnConfig, eng: _Engine) -> Any:
-    """What the prepared data depends on; None (no caching) when a file cannot be stat'ed."""
-    producer = eng.plan.producer
-    args = cfg.models[producer].args_dict if producer in cfg.models else None
-    train, evals = _files(cfg, eng)
-    model_path = (args or {}).get("model_path")
-    files = [_stat(p) for p in [*train, *evals]]
-    if model_path:
-        files.append(_stat(os.path.join(str(model_path), "config.json")))
-    if any(f is None for f in files):
-        return None
-    return (eng.name, producer, type(eng.modules.get(producer)).__qualname__, repr(sorted((args or {}).items())),
-            tuple(train), tuple(evals), tuple(files))
 
 
 def _prepare_data(cfg: ChatLearnConfig, eng: _Engine) -> PreparedData:

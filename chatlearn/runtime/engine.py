@@ -12,15 +12,17 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from chatlearn.config import ChatLearnConfig, EngineChecks, load_config
+from chatlearn.config import ChatLearnConfig, ConfigError, EngineChecks, load_config
 from chatlearn.config.current import get_config
 from chatlearn.config.engines import ENGINES
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.plan import EpisodePlan, episode_plan, resolve_engine
+from chatlearn.runtime.plan import EpisodePlan, ResolvedEngine, episode_plan, resolve_engine
+from chatlearn.runtime.prepared import PreparedRun, prepare_run
 
-__all__ = ["DPOEngine", "Engine", "EvalEngine", "GRPOEngine", "OnlineDPOEngine", "RLHFEngine", "build_engine"]
+__all__ = ["DPOEngine", "Engine", "EvalEngine", "GRPOEngine", "OnlineDPOEngine", "RLHFEngine", "build_engine",
+           "engine_of"]
 
-ConfigSource = str | os.PathLike | Mapping[str, Any] | ChatLearnConfig | None
+ConfigSource = str | os.PathLike | Mapping[str, Any] | ChatLearnConfig | PreparedRun | None
 
 
 class Engine:
@@ -36,9 +38,17 @@ class Engine:
     def _given_modules(self) -> dict[str, BaseModule] | None:
         return None if self.from_config else self.modules
 
-    def _config(self, config: ConfigSource, overrides: Sequence[str] | None) -> ChatLearnConfig:
+    def prepare(self, config: ConfigSource = None,
+                overrides: Sequence[str] | None = None) -> PreparedRun:
+        """The run of `config` with this engine's modules: checked, its data read (`chatlearn.runtime.prepared`).
+        A run prepared already is taken as it is."""
+        if isinstance(config, PreparedRun):
+            if overrides:
+                raise ConfigError("overrides: a prepared run takes none (apply them to its config first)")
+            return config
         source = get_config() if config is None else config
-        return load_config(source, overrides or (), [EngineChecks(self.name, self._given_modules() or {})])
+        cfg = load_config(source, overrides or (), [EngineChecks(self.name, self._given_modules() or {})])
+        return prepare_run(cfg, self._given_modules(), self.name)
 
     def learn(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
         """Train with `config` (a config object, a YAML path or dict, or the one given to `chatlearn.init`);
@@ -49,8 +59,7 @@ class Engine:
         ephemeral API, which would vanish with the call and breaks under Ray."""
         from flows.train_flow import train_flow  # the documented upward call (see the module docstring)
 
-        cfg = self._config(config, overrides)
-        return train_flow(cfg, modules=self._given_modules(), engine=self.name)
+        return train_flow(self.prepare(config, overrides), modules=self._given_modules(), engine=self.name)
 
 
 class RLHFEngine(Engine):
@@ -115,8 +124,7 @@ class EvalEngine(Engine):
         """Score the eval set once; returns the eval metrics (Prefect API: as `learn`)."""
         from flows.eval_flow import eval_flow  # the documented upward call (see the module docstring)
 
-        cfg = self._config(config, overrides)
-        return eval_flow(cfg, modules=self._given_modules())
+        return eval_flow(self.prepare(config, overrides), modules=self._given_modules())
 
 
 _CLASSES: dict[str, type[Engine]] = {"rlhf": RLHFEngine, "grpo": GRPOEngine, "dpo": DPOEngine,
@@ -130,8 +138,13 @@ def build_engine(cfg: ChatLearnConfig, modules: Mapping[str, BaseModule] | None 
     Raises `ConfigError` listing every problem (unknown engine, missing models, bad module args, fields not
     supported yet), unless the config already passed these checks.
     """
-    resolved = resolve_engine(cfg, modules, engine)
+    return engine_of(resolve_engine(cfg, modules, engine), from_config=not modules)
+
+
+def engine_of(resolved: ResolvedEngine, from_config: bool = True) -> Engine:
+    """The engine object of a resolved engine (`PreparedRun.engine`); ``from_config``: its modules were built
+    from the config (not given in code)."""
     by_name = dict(resolved.modules)
     eng = _CLASSES[resolved.name](*[by_name.get(role) for role in ENGINES[resolved.name].roles])
-    eng.from_config = not modules
+    eng.from_config = from_config
     return eng

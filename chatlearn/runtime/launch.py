@@ -19,13 +19,14 @@ from chatlearn.checkpoint.resume import models_to_checkpoint
 from chatlearn.config import ChatLearnConfig
 from chatlearn.config.engine_checks import group_size
 from chatlearn.config.user_code import shipped_code, user_code
-from chatlearn.data.preflight import preflight, record_keys
+from chatlearn.data.preflight import record_keys
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime.handles import RuleSpec, RunHandle
 from chatlearn.runtime.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
 from chatlearn.runtime.placement import NodeSpec, plan_placement
 from chatlearn.runtime.plan import ResolvedEngine
+from chatlearn.runtime.prepared import PreparedRun
 from chatlearn.runtime.stopping import keep_handlers, on_stop
 from chatlearn.runtime.stream_dataset import StreamDataset
 from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route
@@ -256,24 +257,24 @@ def write_placement(run_dir: str, workers: Workers, node_ids: list[str], infos: 
 
 
 @contextlib.contextmanager
-def launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
+def launch(prepared: PreparedRun,
            data_checkpoint_path: str = "") -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
     """Yield (RunHandle, model groups, StreamDataset actor) for a run; everything is torn down on exit.
 
     While it runs, the driver and every Ray worker find the user's code in the config's code folders
     (`chatlearn.config.user_code`)."""
-    with user_code(cfg), _launch(cfg, eng, data_checkpoint_path) as started:
+    with user_code(prepared.cfg), _launch(prepared, data_checkpoint_path) as started:
         yield started
 
 
 @contextlib.contextmanager
-def _launch(cfg: ChatLearnConfig, eng: ResolvedEngine,
-            data_checkpoint_path: str) -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
+def _launch(prepared: PreparedRun, data_checkpoint_path: str) -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
+    cfg, eng = prepared.cfg, prepared.engine
     rt = cfg.runtime
     producer_cfg = cfg.models[eng.plan.producer]
     key = record_keys(eng.modules[eng.plan.producer], producer_cfg.args_dict or {})
-    # model files, records and prompt lengths checked before Ray starts (kept from the CLI's or the flow's call)
-    prompts, eval_prompts = preflight(cfg, eng)
+    # model files, records and prompt lengths were checked when the run was prepared, before Ray starts
+    prompts, eval_prompts = list(prepared.data.prompts), list(prepared.data.eval_prompts)
     if prompts and producer_cfg.batch_generation.ranking:
         prompts = rank_prompts(prompts, rt.sample_per_episode, key[0])
     build_local_model_files(cfg, eng.modules)

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, Field
 
-from chatlearn.config import ChatLearnConfig, EngineChecks, run_checks
+from chatlearn.config import ChatLearnConfig
 from chatlearn.config.engine_checks import engine_name, module_class_path
 from chatlearn.config.engines import ENGINES
 from chatlearn.config.user_code import user_code
@@ -98,10 +98,9 @@ class ResolvedEngine(NamedTuple):
 def resolve_engine(cfg: ChatLearnConfig, modules: Mapping[str, Any] | None = None,
                    engine: str | None = None) -> ResolvedEngine:
     """The engine a config asks for, its modules (those given in code, the rest built from the config) and
-    its plan. Runs the engine's checks unless this config already passed them (ConfigError lists all)."""
+    its plan. The config passed the engine's checks already (`load_config(..., [EngineChecks(...)])`)."""
     given = dict(modules or {})
     name = engine_name(cfg, engine)
-    run_checks(cfg, [EngineChecks(name, given)])
     spec = ENGINES[name]
     roles = [r for r in spec.roles if r not in spec.optional or r in given or r in cfg.models]
     with user_code(cfg):  # a module class may come from a file next to the config
