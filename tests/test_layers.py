@@ -184,7 +184,7 @@ def test_stage_tasks_and_the_episode_take_a_run_handle_not_the_config():
 
 # Files whose `ray.get` runs inside a Ray actor, not the driver: they resolve an upstream ref the driver is
 # already waiting on through its stage clock, which cancels the call past the stage's deadline.
-IN_ACTORS = {"chatlearn/runtime/actor.py", "chatlearn/runtime/stream_dataset.py"}
+IN_ACTORS = {"chatlearn/runtime/host.py", "chatlearn/runtime/stream_dataset.py"}
 
 
 def deadline_free_gets(path: str) -> list[int]:

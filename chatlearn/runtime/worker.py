@@ -24,16 +24,11 @@ from chatlearn.config import ModelConfig, RuntimeConfig
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.memory import PARTS, MemoryManager
 from chatlearn.models.parallel import ParallelContext, ParallelDims
-from chatlearn.runtime.actor import ModelActor
+from chatlearn.runtime.host import ModelHost, resident_parts
 from chatlearn.runtime.param_sync import SyncGroup, specs_of, transfer
 from chatlearn.runtime.profiling import StageMarks
 from chatlearn.utils.devices import fake_gpus
 
-# What each call needs resident; anything else needs only the weights. Grads are made by backward.
-_NEEDS = {"train": ("weights", "optimizer"), "save_checkpoint": ("weights", "optimizer"),
-          "load_checkpoint": ("weights", "optimizer")}
-# Calls that do not touch a model's tensors: no handover around them (setup is the worker's own, see run).
-_NO_HANDOVER = {"build_dataset", "ping", "peak_memory"}
 # Collective operations fail after this instead of hanging for gloo's default 30 minutes.
 DIST_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("CHATLEARN_DIST_TIMEOUT", "300")))
 
@@ -53,10 +48,10 @@ class Worker:
 
     def __init__(self, members: list[tuple[str, BaseModule, ModelConfig, int, int]], runtime_args: RuntimeConfig,
                  cpus: float, colocated: dict[str, bool]):
-        self.slots: dict[str, ModelActor] = {}
+        self.slots: dict[str, ModelHost] = {}
         self.ranks: dict[str, tuple[int, int]] = {}
         for name, module, cfg, replica, rank in members:
-            self.slots[name] = ModelActor(module, cfg, runtime_args, replica)
+            self.slots[name] = ModelHost(module, cfg, runtime_args, replica)
             self.ranks[name] = (replica, rank)
         if cpus >= 1:  # colocated models share the process's cores
             torch.set_num_threads(int(cpus))
@@ -122,8 +117,9 @@ class Worker:
             raise AttributeError(f"refusing to call private method {method!r}")
         if method == "setup":  # the worker's own: it also sets up the model's memory manager
             return self.setup(name)
-        if method not in _NO_HANDOVER:
-            self._hand_over([name], _NEEDS.get(method, ("weights",)))
+        needs = resident_parts(method)  # declared on the method (`host.resident`); grads are made by backward
+        if needs:
+            self._hand_over([name], needs)
         try:
             with self.marks.stage(name, method, kwargs):
                 return getattr(self.slots[name], method)(*args, **kwargs)

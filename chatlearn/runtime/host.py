@@ -1,4 +1,5 @@
-"""The Ray actor that hosts one process of one model replica, and the data-plane rules it follows.
+"""The host of one rank of one model inside a worker process (the Ray actor is the `Worker`, which may host
+several colocated models), and the data-plane rules it follows.
 
 Outputs stay in the object store and are owned by the actor that made them (`ray.put` inside the actor), so
 they outlive the short-lived Prefect task processes that dispatch work; only the small ObjectRef travels
@@ -9,7 +10,8 @@ merges the outputs of a node's parents.
 
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ray
 
@@ -18,12 +20,34 @@ from chatlearn.data.batch import collate_samples, merge_batches
 from chatlearn.data.stream import training_batches
 from chatlearn.models.base_module import BaseModule
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 def _resolve(value: Any) -> Any:
     return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
-class ModelActor:
+_DEFAULT_RESIDENT = ("weights",)
+
+
+def resident(*parts: str) -> Callable[[F], F]:
+    """Declare what a host method needs in memory while it runs (``"weights"``, ``"optimizer"``): before it runs,
+    the colocated models of the process offload and this one onloads that (`chatlearn.runtime.worker`).
+    ``@resident()``: the method touches no tensors, no handover around it. Undeclared: the weights."""
+
+    def mark(fn: F) -> F:
+        fn.resident = parts  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def resident_parts(method: str) -> tuple[str, ...]:
+    """What `ModelHost.<method>` needs resident (see `resident`)."""
+    return getattr(getattr(ModelHost, method, None), "resident", _DEFAULT_RESIDENT)
+
+
+class ModelHost:
     """Wraps a `BaseModule`: setup, batched forward/eval/train calls, sync and checkpoint hooks."""
 
     def __init__(self, module: BaseModule, module_args: ModelConfig, runtime_args: RuntimeConfig, replica_id: int):
@@ -46,10 +70,12 @@ class ModelActor:
             info.update(self.module.info())
         return info
 
+    @resident()
     def ping(self) -> bool:
         return True
 
     # -- data producer --------------------------------------------------------------------------------------
+    @resident()
     def build_dataset(self, prompts: list[Any], is_eval: bool = False) -> int:
         self.datasets[is_eval] = self.module.build_dataset(prompts, is_eval)
         return len(self.datasets[is_eval])
@@ -86,6 +112,7 @@ class ModelActor:
         return ray.put(out) if self.module.rank == 0 else None
 
     # -- training -------------------------------------------------------------------------------------------
+    @resident("weights", "optimizer")
     def train(self, samples: list[dict[str, Any]], episode: int, start_iteration: int,
               group_size: int = 1) -> dict[str, Any]:
         """Train on one episode's samples: re-batch, one `train_step` per global batch, for each epoch.
@@ -117,9 +144,11 @@ class ModelActor:
         self.module.set_weights(_resolve(weights))
         return True
 
+    @resident("weights", "optimizer")
     def save_checkpoint(self, iteration: int) -> str | None:
         return self.module.save_checkpoint(iteration)
 
+    @resident("weights", "optimizer")
     def load_checkpoint(self, iteration: int) -> None:
         self.module.load_checkpoint(iteration)
 
@@ -129,6 +158,7 @@ class ModelActor:
             raise AttributeError(f"refusing to call private method {method!r}")
         return getattr(self.module, method)(*[_resolve(a) for a in args], **kwargs)
 
+    @resident()
     def peak_memory(self) -> float:
         return self.module.peak_memory()
 
