@@ -171,8 +171,8 @@ def cmd_deploy(items: list[str], how: str, name: str | None, cron: str | None, o
     cfg = _load(items)
     if evaluate:
         _load(items, engine="eval")  # the eval deployment's checks too, before anything is registered
-    # lazy: Prefect loads only for the commands that run something; `flows.deployments` is the command's one
-    # upward arrow (it registers the flows, see tests/test_layers.py)
+    # lazy: Prefect loads only for the commands that run something (the command sits above flows/, see
+    # tests/test_layers.py)
     from chatlearn.runtime.prefect_server import local_prefect_api
     from flows import deployments
 
