@@ -13,28 +13,24 @@ reward hook mod:fn returned nan for sample 17 (prompt "...")``, which the CLI pr
 import functools
 import inspect
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import ray
-import torch
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
-from chatlearn.models.hf.reward import hook_name, score_samples, text_samples
 from chatlearn.runtime.evaluation import eval_metrics, eval_results
-from chatlearn.runtime.handles import RefBox, RuleSpec, RunHandle
+from chatlearn.runtime.handles import RefBox, RunHandle
 from chatlearn.runtime.reporting import artifact_key
 from chatlearn.runtime.schedule import checkpoint_due, every
 from chatlearn.runtime.sync import sync_routes
 from chatlearn.runtime.waiting import StageClock
 from chatlearn.utils.errors import RunError, find_run_error
-from chatlearn.utils.imports import import_callable
 from chatlearn.utils.storage import writing
+from flows.rule_tasks import fan_out_rule
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -106,52 +102,14 @@ def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
                   episode=episode, first_sample_id=consumed_samples)
 
 
-def rule_reward(batch: RefBox, rule: RuleSpec, model: str, episode_start: int | None = None) -> list[float]:
-    """A rule reward on one batch, stateless: fetch the batch, call the function on each sample (each call
-    bounded by the rule's timeout), return the scores. Runs as a Ray task with the rule's CPUs. An error
-    (a RewardError, a RunError) names the hook and the sample, by its index in the episode when
-    ``episode_start`` (the episode's first ``sample_id``) is given."""
-    data = ray.get(batch.refs[0], timeout=rule.timeout_s)  # generated already: a fetch
-    samples = text_samples(data)
-    return score_samples(import_callable(rule.reward_fn), samples, rule.timeout_s, hook_name(rule.reward_fn),
-                         episode_start)
-
-
-class RuleFuture:
-    """One batch's rule-reward Ray task; `result()` waits for its scores (and raises its error), within the
-    stage's deadline when given its clock."""
-
-    def __init__(self, ref: Any, model: str = ""):
-        self.ref, self.model = ref, model
-
-    def result(self, clock: StageClock) -> list[float]:
-        return clock.get(self.ref, self.model)
-
-
-_RULE_TASKS: dict[float, Any] = {}
-_RULE_TASKS_LOCK = threading.Lock()
-
-
-def fan_out_rule(run: RunHandle, model: str, batches: list[Any], episode_start: int | None = None) -> list[RuleFuture]:
-    """One `rule-reward` Ray task per batch, all in parallel, each with the rule's `num_cpus`; returns their
-    futures in batch order. Plain Ray tasks (2 ms to dispatch), not Prefect tasks (about 150 ms each on Ray):
-    the score and eval stages that fan them out are the Prefect tasks. ``episode_start``: see `rule_reward`."""
-    rule = run.rule_rewards[model]
-    with _RULE_TASKS_LOCK:
-        if rule.num_cpus not in _RULE_TASKS:
-            _RULE_TASKS[rule.num_cpus] = ray.remote(num_cpus=rule.num_cpus, max_retries=0)(rule_reward)
-        remote = _RULE_TASKS[rule.num_cpus]
-    return [RuleFuture(remote.options(name="rule-reward").remote(RefBox([b]), rule, model, episode_start), model)
-            for b in batches]
-
-
 @task(name="score", cache_policy=NO_CACHE)
 @in_stage("score")
 def score(run: RunHandle, rollouts: RefBox) -> RefBox:
     """Scorers (reference, value) run on each rollout batch in parallel; the final model (reward) merges.
 
-    A rule reward is called in `rule-reward` Ray tasks fanned out over the batches while the scorers run; its
-    actor then only turns the scores into the experience (advantages)."""
+    A rule reward (``fan_out``) is one more scorer: one `rule-reward` Prefect task per batch on Ray
+    (`flows.rule_tasks`) while the other scorers run, whose ``{"scores"}`` joins their outputs; the final
+    model's actor then only turns the scores into the experience (advantages)."""
     plan = run.plan
     clock = StageClock("score", rollouts.meta.get("episode", -1), run.stage_timeout_s)
     if not plan.final and not plan.scorers:  # offline DPO: the producer's output is the experience
@@ -170,8 +128,8 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
     outs = []
     for i, g in enumerate(rollouts.refs):
         it = rollouts.meta["first_iteration"] + i
-        extra = [{"scores": torch.tensor(rules[i].result(clock), dtype=torch.float32)}] if rules is not None else []
-        outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts[i], *extra, iteration=it,
+        rule = [rules[i].output(clock)] if rules is not None else []
+        outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts[i], *rule, iteration=it,
                                                                      keep_inputs=True))
     # the final model's calls wait for the scorers' (rank 0's) results; the scorers' other ranks count too
     refs = clock.get([*outs, *(c for p in parts for c in p)])[:len(outs)]
@@ -254,9 +212,8 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     # the last call of each batch is its result; every call's ranks are waited for
     out_refs = clock.get([*gens, *scored])[-len(batches):] if batches else []
     if rule:  # the rule reward's tasks score the eval batches, in parallel
-        scores = [f.result(clock) for f in fan_out_rule(run, plan.evaluator, out_refs, episode_start=0)]
-        out_batches = [{**b, "scores": torch.tensor(s, dtype=torch.float32)}
-                       for b, s in zip(clock.get(out_refs), scores, strict=True)]
+        rules = fan_out_rule(run, plan.evaluator, out_refs, episode_start=0)
+        out_batches = [{**b, **r.output(clock)} for b, r in zip(clock.get(out_refs), rules, strict=True)]
     else:
         out_batches = clock.get(out_refs)
     results = eval_results(out_batches)

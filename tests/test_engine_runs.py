@@ -157,14 +157,16 @@ def test_a_raising_rule_reward_stops_the_run_naming_the_sample(prefect_api, ray_
     assert not (tmp_path / cfg.runtime.exp_name / "final").exists()
 
 
-def test_rule_rewards_fan_out_as_ray_tasks_with_their_cpus(ray_session):
-    """Each batch's rule reward is a Ray task asking for the rule's CPUs: the scores are the function's, and a
-    rule asking for more CPUs than the cluster has is never run (Ray keeps it pending)."""
+def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_api, ray_session):
+    """Each batch's rule reward is a Prefect task on Ray asking for the rule's CPUs: the scores are the
+    function's, and a rule asking for more CPUs than the cluster has is never run (Ray keeps it pending)."""
     import ray
 
-    from chatlearn.runtime.handles import RuleSpec, RunHandle
+    from chatlearn.models.rule import RuleSpec
+    from chatlearn.runtime.handles import RunHandle
     from chatlearn.runtime.plan import EpisodePlan
-    from flows.stage_tasks import fan_out_rule
+    from chatlearn.runtime.waiting import StageClock
+    from flows.rule_tasks import fan_out_rule
 
     fn = "chatlearn.tasks.max_digit:max_digit_reward"
     batches = [ray.put({"sample_id": [1, 2], "prompt": ["max 1 2 ?", "max 7 3 ?"], "response": ["2", "1"],
@@ -177,8 +179,9 @@ def test_rule_rewards_fan_out_as_ray_tasks_with_their_cpus(ray_session):
                          generation_batch_size=1,
                          rule_rewards={"reward": RuleSpec(reward_fn=fn, timeout_s=10, num_cpus=num_cpus)})
 
+    clock = StageClock("score", 0, 60)
     futures = fan_out_rule(handle(0.5), "reward", batches)
-    assert [f.result() for f in futures] == [[1.0, pytest.approx(0.5 * (1 - 6 / 9))], [1.0]]
+    assert [f.result(clock) for f in futures] == [[1.0, pytest.approx(0.5 * (1 - 6 / 9))], [1.0]]
     pending = fan_out_rule(handle(64), "reward", batches[:1])[0]
     with pytest.raises(ray.exceptions.GetTimeoutError):
         ray.get(pending.ref, timeout=3)

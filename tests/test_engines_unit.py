@@ -15,7 +15,8 @@ from chatlearn.models.hf.dpo import DPOPolicyTrainer, PairReference, pairs_in_gr
 from chatlearn.models.hf.grpo_trainer import GRPOPolicyTrainer
 from chatlearn.models.hf.policy import PolicyInference
 from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer
-from chatlearn.models.hf.reward import RewardError, RuleReward, score_samples
+from chatlearn.models.hf.reward import RuleReward
+from chatlearn.models.rule import RewardError, score_samples
 from chatlearn.tasks.max_digit import make_pairs, make_records, max_digit_reward
 from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
 

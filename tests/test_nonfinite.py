@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from chatlearn.checkpoint.model_checkpoint import save_model_checkpoint
 from chatlearn.models.hf.ppo_trainer import optimizer_step
-from chatlearn.models.hf.reward import RewardError, RuleReward, hook_name, score_samples
+from chatlearn.models.hf.reward import RuleReward
+from chatlearn.models.rule import RewardError, hook_name, score_samples
 from chatlearn.models.torch_module import TorchModule
 from chatlearn.runtime.reporting import EpisodeReporter, json_line
 from chatlearn.utils.arguments import ModelConfig, RuntimeConfig

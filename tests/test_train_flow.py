@@ -53,7 +53,12 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     """The embedded default as a YAML path, shortened to 2 episodes through its ${num_episode:20} variable;
     then the eval flow on the policy it exported."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterStartTime
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterName,
+        FlowRunFilterStartTime,
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from chatlearn.config import EngineChecks, load_config, root
@@ -125,12 +130,21 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
             runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 name=FlowRunFilterName(any_=["episode-1", "episode-2"]),
                 start_time=FlowRunFilterStartTime(after_=started)))
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
+                any_=[r.id for r in runs])), limit=200)
             arts = await client.read_artifacts()
-            return runs, arts
+            return runs, tasks, arts
 
-    runs, arts = asyncio.run(episode_runs())
+    runs, tasks, arts = asyncio.run(episode_runs())
     assert {r.name for r in runs} >= {"episode-1", "episode-2"}  # counted from 1, as the terminal counts
     assert all(r.state.is_completed() for r in runs if r.name in ("episode-1", "episode-2"))
+    # the rule reward scores each generation batch in a Prefect task run of its own (on Ray), under the
+    # stage's task run: 128 samples / generation batch 64 = 2 per episode, and 2 more for episode 2's eval
+    stages = {t.id: t.name.rsplit("-", 1)[0] for t in tasks}
+    rule = [t for t in tasks if t.name.startswith("rule-reward-")]
+    assert all(t.state.is_completed() for t in rule)
+    parents = sorted(stages[t.task_inputs["__parents__"][0].id] for t in rule)
+    assert parents == ["eval"] * 2 + ["score"] * 4
     keys = {a.key for a in arts}
     assert {"default-progress", "default-metrics", "default-eval-examples"} <= keys
     # the eval hook of the default config adds exact match to the rows (an exact answer scores 1.0)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from chatlearn.data.relay import RelayBuffer, RelayHookError
-from chatlearn.models.hf.reward import RewardError, hook_name, score_samples
+from chatlearn.models.rule import RewardError, hook_name, score_samples
 from chatlearn.runtime.console import LOG_NAME, run_log
 from chatlearn.runtime.evaluation import eval_metrics
 from chatlearn.runtime.handles import RefBox

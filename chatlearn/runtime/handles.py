@@ -13,16 +13,9 @@ from typing import Any
 import ray
 from pydantic import BaseModel, Field
 
+from chatlearn.models.rule import RuleSpec
 from chatlearn.runtime.plan import EpisodePlan
 from chatlearn.runtime.sync import SyncRoute
-
-
-class RuleSpec(BaseModel):
-    """A rule reward the score and eval stages call as stateless Ray tasks (one per batch, in parallel)."""
-
-    reward_fn: str
-    timeout_s: float
-    num_cpus: float
 
 
 class RunHandle(BaseModel):
@@ -47,8 +40,8 @@ class RunHandle(BaseModel):
     checkpoint_models: list[str] = Field(default_factory=list, description="models that save checkpoints")
     eval_post_process_fn: str | None = None
     placement: list[dict[str, Any]] = Field(default_factory=list, description="one row per worker process")
-    rule_rewards: dict[str, "RuleSpec"] = Field(default_factory=dict,
-                                                description="rule rewards scored by fanned-out Ray tasks")
+    rule_rewards: dict[str, RuleSpec] = Field(default_factory=dict, description="rule rewards scored one "
+                                              "Prefect task per batch on Ray (flows/rule_tasks.py)")
     sync_routes: list[SyncRoute] = Field(default_factory=list, description="trainer -> inference weight routes")
     concurrent_comm: bool = True
     param_sync_max_workers: int | None = None

@@ -22,7 +22,8 @@ from chatlearn.config.user_code import shipped_code, user_code
 from chatlearn.data.preflight import record_keys
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.handles import RuleSpec, RunHandle
+from chatlearn.models.rule import RuleSpec
+from chatlearn.runtime.handles import RunHandle
 from chatlearn.runtime.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
 from chatlearn.runtime.placement import NodeSpec, plan_placement
 from chatlearn.runtime.plan import ResolvedEngine
@@ -228,7 +229,8 @@ def sync_routes_of(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers) 
 
 
 def rule_rewards(cfg: ChatLearnConfig, eng: ResolvedEngine) -> dict[str, RuleSpec]:
-    """The rule rewards (``RuleReward`` modules with ``fan_out``) whose function runs in Prefect tasks."""
+    """The rule rewards (``RuleReward`` modules with ``fan_out``, the default) of the final model and the
+    evaluator: each batch they score is a Prefect task on Ray (``flows/rule_tasks.py``), not an actor call."""
     from chatlearn.models.hf.reward import RuleReward  # torch-heavy; launch runs once per run
 
     out = {}
@@ -236,8 +238,7 @@ def rule_rewards(cfg: ChatLearnConfig, eng: ResolvedEngine) -> dict[str, RuleSpe
         if isinstance(module, RuleReward) and name in (eng.plan.final, eng.plan.evaluator):
             args = RuleReward.args_schema.model_validate(cfg.models[name].args_dict or {})
             if args.fan_out:
-                out[name] = RuleSpec(reward_fn=args.reward_fn, timeout_s=args.timeout_s,
-                                     num_cpus=args.num_cpus_per_task)
+                out[name] = RuleSpec.of(args)
     return out
 
 

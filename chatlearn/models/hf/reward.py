@@ -5,17 +5,15 @@ PPO's (KL-penalized per-token rewards and GAE advantages/returns) when the upstr
 and values; GRPO's (group-normalised advantages, one per response) when they carry prompt groups and no
 values (no critic). Whitening of PPO advantages happens in the trainer, over each global batch.
 
-A rule function is called by :func:`score_samples`, which bounds each call by a timeout and names the hook and
-the sample when the function raises or returns something that is not a finite number. In a run the rule is not
-called in the reward's actor: the score and eval stages fan the batches out as Prefect tasks on Ray
-(``flows/stage_tasks.py``) and hand the scores to the actor, which only builds the experience.
+How a rule function is called (each call bounded by a timeout, errors naming the hook and the sample) is
+`chatlearn.models.rule`. With ``fan_out`` (the default) the rule is not called in the reward's actor: each
+batch is a Prefect task on Ray (``flows/rule_tasks.py``) and the actor gets its scores with the other
+scorers' outputs, so it only builds the experience.
 
 A score or an advantage that is not finite (a reward model's NaN, a policy's NaN log-probs in the KL penalty)
 is a `RunError` naming the sample here, where it is made: trained on, it would turn every weight into NaN.
 """
 
-import concurrent.futures
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,11 +22,11 @@ from transformers import AutoModelForSequenceClassification
 
 from chatlearn.algorithms import get_advantage_estimator, kl_penalized_rewards
 from chatlearn.algorithms.grpo import group_advantages_by_id
-from chatlearn.data.batch import split_batch
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, load_tokenizer
+from chatlearn.models.rule import RuleSpec
 from chatlearn.utils.errors import RunError
-from chatlearn.utils.finite import batch_sample, describe_sample, nonfinite_rows, nonfinite_summary, one_line
+from chatlearn.utils.finite import batch_sample, describe_sample, nonfinite_rows, nonfinite_summary
 from chatlearn.utils.imports import import_callable
 
 
@@ -59,61 +57,6 @@ class RuleRewardArgs(PPOExperienceArgs):
 
 class ModelRewardArgs(PPOExperienceArgs, HFModelArgs):
     pass
-
-
-class RewardError(RunError):
-    """A rule reward function that failed, timed out or returned something unusable, on a named sample (a
-    RunError: the CLI prints it as one line, the traceback of the hook goes to the run's log)."""
-
-
-def hook_name(spec: str) -> str:
-    """How errors name a rule reward function: ``reward hook package.module:function``."""
-    return f"reward hook {spec}"
-
-
-def score_samples(fn: Callable[[dict], Any], samples: list[dict], timeout_s: float, where: str,
-                  episode_start: int | None = None) -> list[float]:
-    """``fn(sample)`` for each sample, each call bounded by ``timeout_s``; a RewardError names ``where`` (the
-    hook, see `hook_name`) and the sample, e.g. ``reward hook mod:fn raised ValueError: boom for sample 3
-    (prompt "max 3 7 1 ?")``.
-
-    ``episode_start`` (the ``sample_id`` of the episode's first sample, 0 for the eval set) lets the error
-    name the sample by its index in the episode; without it the ``sample_id`` names it. The call runs in a
-    helper thread so a stuck function becomes an error within the timeout (the thread itself cannot be
-    killed; the run stops anyway). Non-numbers and non-finite numbers are errors too: a NaN reward would
-    otherwise train on silently.
-    """
-
-    def describe(sample: dict) -> str:
-        sid = sample.get("sample_id")
-        index = sid - episode_start if episode_start is not None and isinstance(sid, int) else None
-        return describe_sample(sample, index)
-
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-    out: list[float] = []
-    try:
-        for sample in samples:
-            future = pool.submit(fn, sample)
-            try:
-                value = future.result(timeout=timeout_s)
-            except concurrent.futures.TimeoutError:
-                raise RewardError(f"{where} took longer than timeout_s={timeout_s:g}s for {describe(sample)}") \
-                    from None
-            except Exception as exc:
-                raise RewardError(f"{where} raised {type(exc).__name__}: {one_line(exc)} for {describe(sample)}") \
-                    from exc
-            if isinstance(value, bool) or not isinstance(value, int | float) or nonfinite_summary(value):
-                raise RewardError(f"{where} returned {one_line(repr(value), 80)} for {describe(sample)}; expected "
-                                  "a finite number")
-            out.append(float(value))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    return out
-
-
-def text_samples(data: dict) -> list[dict]:
-    """The per-sample dicts a rule function sees: record fields, response text, ids (no tensors)."""
-    return split_batch({k: v for k, v in data.items() if not isinstance(v, torch.Tensor)})
 
 
 class _ExperienceMixin:
@@ -176,14 +119,14 @@ class RuleReward(_ExperienceMixin, BaseModule):
     args_schema = RuleRewardArgs
 
     def setup(self) -> None:
-        self.reward_fn: Callable[[dict], float] = import_callable(self.args.reward_fn)
+        self.rule = RuleSpec.of(self.args)
+        import_callable(self.rule.reward_fn)  # a hook this process cannot import fails the setup, not a batch
 
     def score(self, data: dict) -> torch.Tensor:
         """The rule's scores; those the fanned-out reward tasks computed already (``data["scores"]``) win."""
         if "scores" in data:
             return torch.as_tensor(data["scores"], dtype=torch.float32)
-        values = score_samples(self.reward_fn, text_samples(data), self.args.timeout_s, hook_name(self.args.reward_fn))
-        return torch.tensor(values, dtype=torch.float32)
+        return torch.tensor(self.rule.score(data), dtype=torch.float32)
 
     def forward_step(self, data, iteration):
         return self.make_experience(data, self.score(data))

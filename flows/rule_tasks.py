@@ -1,0 +1,62 @@
+"""A rule reward's batches as Prefect tasks on Ray: one `rule-reward` task run per batch, in parallel.
+
+The score and eval stages fan a rule reward (``fan_out: true``, the default) out over their batches: each
+batch is a task run in the UI (under the stage's own task run, with its state and logs), run in a Ray worker
+with the rule's ``num_cpus_per_task`` on `WarmRayTaskRunner`. What scoring a batch means is
+`chatlearn.models.rule`; the stage waits for the scores within its deadline (`StageClock`).
+"""
+
+from typing import Any
+
+import ray
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect_ray.context import remote_options
+from prefect_ray.task_runners import PrefectRayFuture
+
+from chatlearn.models.rule import RuleSpec
+from chatlearn.runtime.handles import RefBox, RunHandle
+from chatlearn.runtime.waiting import StageClock
+from flows.ray_tasks import ray_task_runner
+
+
+@task(name="rule-reward", cache_policy=NO_CACHE)
+def rule_reward(batch: RefBox, rule: RuleSpec, episode_start: int | None = None) -> list[float]:
+    """A rule reward on one batch (``batch.refs[0]``, generated already: a fetch), in a Ray worker. An error
+    (a RewardError) names the hook and the sample, by its index in the episode when ``episode_start`` (the
+    episode's first ``sample_id``) is given."""
+    return rule.score(ray.get(batch.refs[0], timeout=rule.timeout_s), episode_start)
+
+
+class RuleFuture:
+    """One batch's `rule-reward` task run; `result(clock)` waits for its scores within the stage's deadline
+    and raises the task's error (its RewardError)."""
+
+    def __init__(self, future: PrefectRayFuture, model: str):
+        self.future, self.model = future, model
+
+    @property
+    def ref(self) -> Any:
+        """The Ray ObjectRef of the task (its final Prefect state)."""
+        return self.future.wrapped_future
+
+    def result(self, clock: StageClock) -> list[float]:
+        clock.get(self.ref, self.model)  # bounded by the stage's deadline, interrupted by a stop
+        return self.future.result()  # done: the scores, or the task's error raised again
+
+    def output(self, clock: StageClock) -> dict[str, torch.Tensor]:
+        """The rule's output as a scorer's: ``{"scores": float32 tensor}``, merged into the batch."""
+        return {"scores": torch.tensor(self.result(clock), dtype=torch.float32)}
+
+
+def fan_out_rule(run: RunHandle, model: str, batches: list[Any], episode_start: int | None = None) -> list[RuleFuture]:
+    """One `rule-reward` Prefect task per batch on Ray, all in parallel, each with the rule's CPUs (no Ray
+    retries: a retried task would try to enter Running again); their futures in batch order.
+    ``episode_start``: see `rule_reward`."""
+    rule = run.rule_rewards[model]
+    runner = ray_task_runner()
+    with remote_options(num_cpus=rule.num_cpus, max_retries=0):
+        return [RuleFuture(runner.submit(rule_reward, {"batch": RefBox([b]), "rule": rule,
+                                                       "episode_start": episode_start}), model)
+                for b in batches]
