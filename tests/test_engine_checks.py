@@ -223,3 +223,32 @@ def test_ppo_reward_settings_are_refused_without_a_critic():
         "models.reward.args_dict.kl_coef: PPO's reward setting has no effect in the grpo engine (no critic, no GAE; "
         "the KL term is models.ppo_policy.args_dict.kl_coef); remove it"]
     assert len(check_config("online_dpo", "models.reward.args_dict.lam=0.9")) == 1
+
+
+def test_the_advantage_estimator_is_the_engines_and_an_unknown_one_is_refused():
+    assert check("models.reward.args_dict.advantage_estimator=vtrace")[0] == [
+        "models.reward.args_dict.advantage_estimator: unknown advantage estimator 'vtrace'; known: ['gae', 'grpo']"]
+    # the engine's own, named: accepted; another engine's whose inputs the models make: accepted too
+    assert check_config("grpo", "models.reward.args_dict.advantage_estimator=grpo") == []
+    assert check("models.reward.args_dict.advantage_estimator=gae")[0] == []
+    # GAE reads the critic's values: refused where the engine has no value model
+    assert check_config("grpo", "models.reward.args_dict.advantage_estimator=gae") == [
+        "models.reward.args_dict.advantage_estimator: 'gae' reads ['values'], which no model of the grpo engine "
+        "makes (the grpo engine runs 'grpo')"]
+    # the group estimator reads prompt groups: one response per prompt (the default's) makes none
+    assert check("models.reward.args_dict.advantage_estimator=grpo")[0] == [
+        "models.reward.args_dict.advantage_estimator: 'grpo' reads ['group_id'], which no model of the rlhf engine "
+        "makes (the rlhf engine runs 'gae')"]
+
+
+def test_an_engine_built_in_code_under_another_runtime_engine_names_its_estimator():
+    # the reward takes its default from runtime.engine: a grpo engine built in code under runtime.engine rlhf
+    # would run GAE, so the checks say so (naming the estimator, or runtime.engine: grpo, passes)
+    cfg = os.path.join(REPO, "configs", "grpo.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg, ["runtime.engine=rlhf"], [EngineChecks("grpo")])
+    assert info.value.problems == [
+        "models.reward.args_dict.advantage_estimator: the grpo engine runs 'grpo', but the reward takes the default "
+        "of runtime.engine (rlhf: 'gae'); set runtime.engine: grpo, or name the estimator here"]
+    load_config(cfg, ["runtime.engine=rlhf", "models.reward.args_dict.advantage_estimator=grpo"],
+                [EngineChecks("grpo")])

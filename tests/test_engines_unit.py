@@ -16,6 +16,7 @@ from chatlearn.models.hf.grpo_trainer import GRPOPolicyTrainer
 from chatlearn.models.hf.policy import PolicyInference
 from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer
 from chatlearn.models.hf.reward import RuleReward
+from chatlearn.models.hf.trainer import CausalLMTrainer
 from chatlearn.models.rule import RewardError, score_samples
 from chatlearn.tasks.max_digit import make_pairs, make_records, max_digit_reward
 from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
@@ -157,7 +158,8 @@ def grpo_batch(tiny_model_dir):
     batch["sample_id"] = list(range(12))
     batch["group_id"] = [i // 4 for i in range(12)]
     out = policy.forward_step(batch, iteration=1)
-    reward = bound(RuleReward, "reward", {"reward_fn": "chatlearn.tasks.max_digit:max_digit_reward"})
+    reward = bound(RuleReward, "reward", {"reward_fn": "chatlearn.tasks.max_digit:max_digit_reward",
+                                          "advantage_estimator": "grpo"})  # the grpo engine's default
     return {**out, **reward.forward_step(out, 1)}
 
 
@@ -194,7 +196,8 @@ def test_lora_trainer_syncs_merged_weights_into_a_plain_policy(tiny_model_dir, g
             "lora_layer": "ColumnParallelLinear,RowParallelLinear"}
     trainer = bound(GRPOPolicyTrainer, "ppo_policy", {"model_path": tiny_model_dir, "lr": 1e-2}, trainable=True,
                     lora=lora)
-    assert isinstance(trainer, PPOPolicyTrainer)  # the GRPO and DPO trainers get LoRA from the PPO one
+    # the PPO, GRPO and DPO trainers are siblings: LoRA comes from their causal-LM trainer base
+    assert isinstance(trainer, CausalLMTrainer) and not isinstance(trainer, PPOPolicyTrainer)
     adapters = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
     assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == \

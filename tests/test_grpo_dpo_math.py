@@ -17,7 +17,7 @@ from chatlearn.algorithms.grpo import (
     gspo_sequence_loss,
     k3_kl,
 )
-from chatlearn.algorithms.registry import get_policy_loss
+from chatlearn.algorithms.registry import get_advantage_estimator, get_policy_loss
 
 D = torch.float64
 NAN = float("nan")
@@ -39,6 +39,22 @@ def logsigmoid(x: float) -> float:
 
 
 # ----------------------------------------------------------------------------- group advantages
+
+
+def test_grpo_estimator_normalises_scores_in_each_prompt_group_and_reports_kl() -> None:
+    # groups by id, not by position: group 7 = scores [1, 3], group 2 = [2, 2] (tied)
+    batch = {"scores": t([1.0, 2.0, 3.0, 2.0]), "group_id": [7, 2, 7, 2],
+             "response_mask": t([[1, 1], [1, 0], [1, 1], [1, 0]]),
+             "logprobs": t([[-1.0, -2.0], [-1.0, 5.0], [-0.5, -0.5], [-3.0, 5.0]]),
+             "ref_logprobs": t([[-1.5, -2.0], [-1.0, 0.0], [-1.0, -0.25], [-2.0, 0.0]])}
+    out = get_advantage_estimator("grpo")(batch, None)
+    assert list(out) == ["advantages", "kl"]
+    # group 7: mean 2, population std 1 -> (1 - 2) / (1 + 1e-5), (3 - 2) / (1 + 1e-5); group 2 tied -> exactly 0
+    close(out["advantages"], [-1 / (1 + 1e-5), 0.0, 1 / (1 + 1e-5), 0.0], atol=1e-12)
+    # kl = logprobs - ref on response tokens (reported, not a penalty); padding -> 0
+    close(out["kl"], [[0.5, 0.0], [0.0, 0.0], [0.5, -0.25], [-1.0, 0.0]])
+    without_ref = get_advantage_estimator("grpo")({k: batch[k] for k in ("scores", "group_id", "response_mask")}, None)
+    assert list(without_ref) == ["advantages"]
 
 
 def test_group_advantages_population_std_and_exact_zero_for_tied_group() -> None:

@@ -102,9 +102,32 @@ def test_gradient_accumulation_equals_one_big_batch(rollout, tiny_model_dir):
     init = bound(PPOPolicyTrainer, "ppo_policy", {"model_path": tiny_model_dir}, trainable=True)
     assert any(not torch.equal(p, q) for p, q in zip(a.model.parameters(), init.model.parameters()))
 
-    v = bound(PPOValueTrainer, "ppo_value", {"model_path": tiny_model_dir}, trainable=True)
-    st = v.train_step(copy.deepcopy(halves), 0)
-    assert st["value_loss"] > 0 and st["value_grad_norm"] > 0
+
+def test_value_gradient_accumulation_equals_one_big_batch(rollout, tiny_model_dir):
+    """The value trainer runs the same trainer loop: micro-batches of 2 + 4 responses of 3 + 15 tokens make
+    the step of one batch of 6, each weighted by its share of the response tokens (not of the responses, and
+    not a mean of the micro-batch means)."""
+    from chatlearn.data.batch import collate_samples, split_batch
+
+    _, out = rollout
+    exp = experience(out, tiny_model_dir)
+    samples = split_batch(exp)
+    for sample, length in zip(samples, [1, 2, 4, 4, 3, 4], strict=True):  # ragged responses
+        sample["response_mask"] = sample["response_mask"].clone()
+        sample["response_mask"][length:] = 0
+    whole = [collate_samples(samples)]
+    halves = [collate_samples(samples[:2]), collate_samples(samples[2:])]
+    a = bound(PPOValueTrainer, "ppo_value", {"model_path": tiny_model_dir}, trainable=True)
+    b = bound(PPOValueTrainer, "ppo_value", {"model_path": tiny_model_dir}, trainable=True)
+    sa = a.train_step(copy.deepcopy(whole), 0)
+    sb = b.train_step(copy.deepcopy(halves), 0)
+    assert sa["value_loss"] > 0 and sa["value_grad_norm"] > 0
+    for key in ("value_loss", "vf_clipfrac", "value_grad_norm"):
+        assert sa[key] == pytest.approx(sb[key], abs=1e-5), key
+    for (n, pa), pb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.allclose(pa, pb, atol=1e-5), n
+    init = bound(PPOValueTrainer, "ppo_value", {"model_path": tiny_model_dir}, trainable=True)
+    assert any(not torch.equal(p, q) for p, q in zip(a.model.parameters(), init.model.parameters()))
 
 
 def test_value_and_trainer_start_identical_and_sync(tiny_model_dir):

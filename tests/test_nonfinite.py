@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from chatlearn.checkpoint.model_checkpoint import save_model_checkpoint
-from chatlearn.models.hf.ppo_trainer import optimizer_step
 from chatlearn.models.hf.reward import RuleReward
+from chatlearn.models.hf.trainer import optimizer_step
 from chatlearn.models.rule import RewardError, hook_name, score_samples
 from chatlearn.models.torch_module import TorchModule
 from chatlearn.runtime.reporting import EpisodeReporter, json_line

@@ -21,7 +21,9 @@ from chatlearn.algorithms import (
     register_policy_loss,
     whiten_global_batch,
 )
-from chatlearn.algorithms.registry import POLICY_LOSSES
+from chatlearn.algorithms.advantages import gae, grpo
+from chatlearn.algorithms.aggregation import global_mean, units
+from chatlearn.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, advantage_estimator_inputs
 
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-6) -> None:
@@ -156,6 +158,57 @@ def test_gae_ignores_nan_in_padding_and_has_no_grad() -> None:
     assert not adv.requires_grad and not ret.requires_grad
 
 
+class ExperienceArgs:
+    kl_coef, gamma, lam = 0.1, 0.9, 0.5
+
+
+def test_gae_estimator_penalises_kl_then_runs_gae_on_a_batch() -> None:
+    # one row of 2 valid tokens (+1 padding); score 1.0; logprobs - ref = [0.2, -0.1]; kl_coef 0.1
+    batch = {"scores": torch.tensor([1.0]), "response_mask": torch.tensor([[1.0, 1.0, 0.0]]),
+             "logprobs": torch.tensor([[-1.0, -2.0, 0.0]]), "ref_logprobs": torch.tensor([[-1.2, -1.9, 0.0]]),
+             "values": torch.tensor([[0.5, 0.25, 0.0]])}
+    out = get_advantage_estimator("gae")(batch, ExperienceArgs())
+    assert list(out) == ["rewards", "kl", "advantages", "returns"]
+    # rewards: -0.1 * kl, plus the score at the last valid token: [-0.02, 0.01 + 1.0]
+    close(out["kl"], [[0.2, -0.1, 0.0]])
+    close(out["rewards"], [[-0.02, 1.01, 0.0]])
+    # t=1: delta = 1.01 - 0.25 = 0.76; A1 = 0.76
+    # t=0: delta = -0.02 + 0.9*0.25 - 0.5 = -0.295; A0 = -0.295 + 0.45*0.76 = 0.047
+    close(out["advantages"], [[0.047, 0.76, 0.0]])
+    close(out["returns"], [[0.547, 1.01, 0.0]])
+    assert advantage_estimator_inputs("gae") == ("logprobs", "ref_logprobs", "values", "response_mask")
+
+
+def test_estimators_are_registered_by_name_with_their_inputs() -> None:
+    assert {"gae", "grpo"} <= set(ADVANTAGE_ESTIMATORS)
+    assert advantage_estimator_inputs("grpo") == ("group_id",)
+    with pytest.raises(KeyError, match="known: .*'gae'"):
+        advantage_estimator_inputs("vtrace")
+
+
+# ----------------------------------------------------------------------------- loss aggregation
+
+
+def test_token_mean_weights_each_micro_batch_by_its_share_of_the_global_tokens() -> None:
+    mbs = [{"response_mask": torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]), "response_ids": torch.zeros(2, 3)},
+           {"response_mask": torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]), "response_ids": torch.zeros(3, 2)}]
+    # 4 and 4 tokens of 8; 2 and 3 sequences of 5
+    assert units(mbs, "token-mean") == [4.0, 4.0]
+    mean = global_mean(units(mbs, "token-mean"))
+    assert mean.weights == [0.5, 0.5] and mean.total == 8.0 and mean.count == 8.0
+    assert global_mean(units(mbs, "sequence-mean")).weights == [0.4, 0.6]
+    # micro-batch means weighted by their shares are the global batch's mean: per-token losses 1 (mb 0) and
+    # 3 (mb 1): 0.5 * 1 + 0.5 * 3 = 2 = (4 * 1 + 4 * 3) / 8
+    assert sum(w * loss for w, loss in zip(mean.weights, [1.0, 3.0], strict=True)) == 2.0
+    with pytest.raises(KeyError, match="known: \\['sequence-mean', 'token-mean'\\]"):
+        units(mbs, "seq-mean-token-sum")
+
+
+def test_a_global_batch_without_units_has_zero_weights_and_a_safe_total() -> None:
+    mean = global_mean([0.0, 0.0])
+    assert mean.weights == [0.0, 0.0] and mean.total == 1.0 and mean.count == 0.0
+
+
 # ----------------------------------------------------------------------------- policy loss
 
 # token 0: A = +1, ratio = 1.5 (above 1+0.2) -> clipped ; token 1: A = -1, ratio = 0.9 -> inside
@@ -270,7 +323,8 @@ def test_logprobs_from_logits_is_numerically_stable() -> None:
 
 
 def test_registry_lookup_returns_builtins() -> None:
-    assert get_advantage_estimator("gae") is gae_advantages_and_returns
+    assert get_advantage_estimator("gae") is gae
+    assert get_advantage_estimator("grpo") is grpo
     assert get_policy_loss("ppo_clip") is ppo_clipped_policy_loss
     assert get_value_loss("ppo_clip") is ppo_clipped_value_loss
 

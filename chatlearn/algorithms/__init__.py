@@ -1,10 +1,12 @@
 """RL algorithm math (pure tensor functions) and the registries the trainer resolves names through.
 
-Importing this package registers the built-in PPO pieces: advantage estimator
-``"gae"``, policy loss ``"ppo_clip"`` and value loss ``"ppo_clip"``; and the GRPO family's
-policy losses ``"grpo"`` and ``"gspo"`` (:mod:`chatlearn.algorithms.grpo`).
+Importing this package registers the built-ins: the advantage estimators ``"gae"`` and ``"grpo"``
+(:mod:`chatlearn.algorithms.advantages`), PPO's policy loss ``"ppo_clip"`` and value loss ``"ppo_clip"``,
+and the GRPO family's policy losses ``"grpo"`` and ``"gspo"`` (:mod:`chatlearn.algorithms.grpo`). How a
+trainer weighs its micro-batches is :mod:`chatlearn.algorithms.aggregation`.
 """
 
+import chatlearn.algorithms.advantages  # noqa: F401  (registers the estimators "gae" and "grpo")
 import chatlearn.algorithms.grpo  # noqa: F401  (registers "grpo" and "gspo")
 
 # ppo.py imports the registry itself, so importing it here registers the built-ins.
@@ -24,6 +26,7 @@ from chatlearn.algorithms.registry import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
     VALUE_LOSSES,
+    advantage_estimator_inputs,
     get_advantage_estimator,
     get_policy_loss,
     get_value_loss,
@@ -36,6 +39,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "POLICY_LOSSES",
     "VALUE_LOSSES",
+    "advantage_estimator_inputs",
     "gae_advantages_and_returns",
     "get_advantage_estimator",
     "get_policy_loss",

@@ -21,11 +21,8 @@ advantage), ``policy_trainer.py`` (k3 KL, global-token normalisation) and
 ``trainer_utils.py`` (entropy).  Conventions (``[B, T]`` response tensors, masks, NaN-safe
 padding) are those of :mod:`chatlearn.algorithms.ppo`.
 
-Only the policy losses are registered (``"grpo"``, ``"gspo"``).  :func:`group_advantages` is
-not registered as the advantage estimator ``"grpo"``: the registry's estimator contract is
-``fn(*, rewards[B, T], values, mask, **hparams) -> (advantages[B, T], returns[B, T])`` with
-per-token KL-penalised rewards, while GRPO needs one scalar reward per sequence plus the
-group size and has no values or returns.
+The policy losses are registered here (``"grpo"``, ``"gspo"``); the advantage estimator ``"grpo"``
+(:func:`group_advantages_by_id` on a scored batch) in :mod:`chatlearn.algorithms.advantages`.
 """
 
 import torch

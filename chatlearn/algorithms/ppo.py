@@ -20,11 +20,7 @@ Conventions used throughout:
 import torch
 import torch.nn.functional as F
 
-from chatlearn.algorithms.registry import (
-    register_advantage_estimator,
-    register_policy_loss,
-    register_value_loss,
-)
+from chatlearn.algorithms.registry import register_policy_loss, register_value_loss
 
 __all__ = [
     "masked_sum",
@@ -218,7 +214,6 @@ def kl_penalized_rewards(
     return rewards, kl
 
 
-@register_advantage_estimator("gae")
 def gae_advantages_and_returns(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -237,7 +232,8 @@ def gae_advantages_and_returns(
     ``returns = advantages + values`` is the critic's regression target
     (the lambda-return).  Advantages are returned *unwhitened*: whitening is a
     trainer choice (see :func:`masked_whiten`) and must not affect the returns.
-    Computed without gradient because both outputs are targets.
+    Computed without gradient because both outputs are targets. The registered estimator ``"gae"``
+    (:mod:`chatlearn.algorithms.advantages`) calls it on the KL-penalised rewards.
 
     Args:
         rewards: ``[B, T]`` per-token rewards (e.g. from :func:`kl_penalized_rewards`).

@@ -10,7 +10,9 @@ There are three separate registries rather than one keyed by ``(kind, name)``
 because the same short name (``"ppo_clip"``) legitimately names both a policy
 loss and a value loss, and because each kind has its own call contract:
 
-* advantage estimator: ``fn(*, rewards, values, mask, **hparams) -> (advantages, returns)``
+* advantage estimator: ``fn(batch, args) -> dict`` (the scored batch and the reward's settings in, the
+  experience fields it adds out: ``advantages`` and whatever else it makes; see
+  :mod:`chatlearn.algorithms.advantages`)
 * policy loss: ``fn(logprobs, old_logprobs, advantages, mask, **hparams) -> (loss, stats)``
 * value loss: ``fn(values, old_values, returns, mask, **hparams) -> (loss, stats)``
 """
@@ -21,6 +23,9 @@ from typing import Any, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {}
+# the batch fields each estimator reads besides ``scores``: a batch without them is an error naming them, and
+# the config checks refuse an estimator whose inputs no model of the engine makes
+ADVANTAGE_ESTIMATOR_INPUTS: dict[str, tuple[str, ...]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 VALUE_LOSSES: dict[str, Callable[..., Any]] = {}
 
@@ -56,9 +61,17 @@ def _get(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Calla
         raise KeyError(f"Unknown {kind} {name!r}; known: {sorted(registry)}") from None
 
 
-def register_advantage_estimator(name: str) -> Callable[[F], F]:
-    """Decorator: register an advantage estimator returning ``(advantages[B,T], returns[B,T])``."""
-    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+def register_advantage_estimator(name: str, inputs: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Decorator: register an advantage estimator ``fn(batch, args) -> dict`` that reads ``inputs`` (batch
+    fields besides ``scores``) and returns the fields it adds, ``advantages`` among them."""
+    register = _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+    def decorator(fn: F) -> F:
+        register(fn)
+        ADVANTAGE_ESTIMATOR_INPUTS[name] = tuple(inputs)
+        return fn
+
+    return decorator
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:
@@ -74,6 +87,12 @@ def register_value_loss(name: str) -> Callable[[F], F]:
 def get_advantage_estimator(name: str) -> Callable[..., Any]:
     """Return the advantage estimator registered as ``name``; ``KeyError`` lists the known names."""
     return _get(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def advantage_estimator_inputs(name: str) -> tuple[str, ...]:
+    """The batch fields the estimator registered as ``name`` reads (besides ``scores``)."""
+    get_advantage_estimator(name)
+    return ADVANTAGE_ESTIMATOR_INPUTS.get(name, ())
 
 
 def get_policy_loss(name: str) -> Callable[..., Any]:

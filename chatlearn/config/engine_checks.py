@@ -68,6 +68,7 @@ class EngineChecks:
         problems += _lora(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _old_logprobs(cfg, name)
         problems += _critic_free_reward_args(cfg, name)
+        problems += _advantage_estimator(cfg, name, spec, self.modules, self.engine is not None)
         problems += _sync_frequency(cfg, spec)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
@@ -340,7 +341,7 @@ def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
     return problems
 
 
-PPO_REWARD_KEYS = ("kl_coef", "gamma", "lam", "advantage_estimator")
+PPO_REWARD_KEYS = ("kl_coef", "gamma", "lam")
 
 
 def _critic_free_reward_args(cfg: ChatLearnConfig, engine: str) -> list[str]:
@@ -352,3 +353,37 @@ def _critic_free_reward_args(cfg: ChatLearnConfig, engine: str) -> list[str]:
              else "online DPO compares the policy to the reference in its loss")
     return [f"models.reward.args_dict.{k}: PPO's reward setting has no effect in the {engine} engine (no critic, no "
             f"GAE; {where}); remove it" for k in given]
+
+
+# the batch fields an advantage estimator may read (chatlearn.algorithms.registry.ADVANTAGE_ESTIMATOR_INPUTS),
+# by the role of the engine that makes them
+_MADE_BY = {"logprobs": "policy", "response_mask": "policy", "ref_logprobs": "reference", "values": "value"}
+
+
+def _advantage_estimator(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any],
+                         in_code: bool) -> list[str]:
+    """The reward's advantage estimator (``args_dict.advantage_estimator``, else the engine's) reads only what
+    the engine's models make (its reward module says what an estimator reads: ``estimator_inputs``), and is the
+    engine's: the reward goes by ``runtime.engine``, so an engine built in code under another ``runtime.engine``
+    names it. (An unknown name is the reward's ``args_schema``'s error.)"""
+    if spec.advantage_estimator is None or "reward" not in cfg.models:
+        return []
+    pre = "models.reward.args_dict.advantage_estimator"
+    given = (cfg.models["reward"].args_dict or {}).get("advantage_estimator")
+    if given is None:
+        runtime = ENGINES.get(cfg.runtime.engine)
+        if in_code and runtime is not None and runtime.advantage_estimator != spec.advantage_estimator:
+            return [f"{pre}: the {engine} engine runs {spec.advantage_estimator!r}, but the reward takes the default "
+                    f"of runtime.engine ({cfg.runtime.engine}: {runtime.advantage_estimator!r}); set runtime.engine: "
+                    f"{engine}, or name the estimator here"]
+        given = spec.advantage_estimator
+    inputs_of = getattr(_module_class("reward", cfg, modules, engine), "estimator_inputs", None)
+    inputs = inputs_of(given) if inputs_of is not None and isinstance(given, str) else None
+    if inputs is None:
+        return []  # a reward of one's own, or a name its args_schema refuses
+    made = {field for field, role in _MADE_BY.items() if role in spec.roles}
+    if spec.groups or group_size(cfg) > 1:
+        made.add("group_id")  # the responses to one prompt share it (_groups checks the group size)
+    missing = [f for f in inputs if f not in made]
+    return [f"{pre}: {given!r} reads {missing}, which no model of the {engine} engine makes (the {engine} engine "
+            f"runs {spec.advantage_estimator!r})"] if missing else []

@@ -19,6 +19,9 @@ class EngineSpec(NamedTuple):
     optional: tuple[str, ...] = ()  # roles a config may leave out (the engine says when it needs them)
     modules: tuple[tuple[str, str], ...] = ()  # built-in module per role where it differs from DEFAULT_MODULES
     groups: bool = False  # samples num_inference_per_prompt responses per prompt, kept together as a group
+    # the registered advantage estimator the reward runs (chatlearn.algorithms.advantages) unless
+    # models.reward.args_dict.advantage_estimator names another; None: the engine trains on no advantages
+    advantage_estimator: str | None = None
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -26,6 +29,7 @@ ENGINES: dict[str, EngineSpec] = {
     "rlhf": EngineSpec(
         roles=("policy", "reference", "reward", "value", "ppo_policy", "ppo_value"),
         sync=(("ppo_policy", "policy"), ("ppo_value", "value")),
+        advantage_estimator="gae",
     ),
     # ChatLearn's GRPOEngine(policy, reference, reward, ppo_policy): no critic, group-normalised advantages;
     # the reference is only needed for the KL term (ppo_policy's kl_coef > 0)
@@ -35,6 +39,7 @@ ENGINES: dict[str, EngineSpec] = {
         optional=("reference",),
         modules=(("ppo_policy", "chatlearn.models.hf.grpo_trainer:GRPOPolicyTrainer"),),
         groups=True,
+        advantage_estimator="grpo",
     ),
     # ChatLearn's DPOEngine(reference, ppo_policy): offline (prompt, chosen, rejected) pairs
     "dpo": EngineSpec(
@@ -48,6 +53,8 @@ ENGINES: dict[str, EngineSpec] = {
         sync=(("ppo_policy", "policy"),),
         modules=(("ppo_policy", "chatlearn.models.hf.dpo:OnlineDPOPolicyTrainer"),),
         groups=True,
+        # the trainer learns from pairs, not advantages; the group advantages and the reported KL are GRPO's
+        advantage_estimator="grpo",
     ),
     # ChatLearn's EvalEngine: the policy answers the eval set, the reward scores it
     "eval": EngineSpec(roles=("policy", "reward"), trains=False, needs_train_data=False),

@@ -10,9 +10,12 @@ every pair of the group with a strictly higher reward is a (chosen, rejected) pa
 length-normalised (policy - reference) log-probs (:func:`chatlearn.algorithms.dpo.online_dpo_loss`).
 """
 
+from typing import Any
+
 import torch
 from pydantic import Field
 
+from chatlearn.algorithms.aggregation import GlobalMean, global_mean
 from chatlearn.algorithms.dpo import dpo_loss, online_dpo_loss, sequence_logprob
 from chatlearn.models.hf.common import (
     HFModelArgs,
@@ -22,7 +25,7 @@ from chatlearn.models.hf.common import (
     load_tokenizer,
     response_logprobs,
 )
-from chatlearn.models.hf.ppo_trainer import OptimArgs, PPOPolicyTrainer, optimizer_step
+from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs
 
 
 class PairArgs(HFModelArgs):
@@ -110,14 +113,16 @@ class DPOArgs(OptimArgs):
     use_ipo: bool = Field(False, description="IPO's squared loss instead of the sigmoid")
 
 
-class DPOPolicyTrainer(PPOPolicyTrainer):
+class DPOPolicyTrainer(CausalLMTrainer):
     """ppo_policy of the DPO engine: sigmoid/IPO loss on (chosen - rejected) log-ratios against the reference.
 
-    Setup, checkpoints, sync and export are the PPO policy trainer's. Its `eval_step` scores held-out pairs:
-    ``scores`` is the implicit reward margin beta * ((pc - pr) - (rc - rr)) and ``preferred`` whether it is > 0.
+    The step's loss is the mean over the global batch's pairs (``sequence-mean``: a pair is one sequence). Its
+    `eval_step` scores held-out pairs: ``scores`` is the implicit reward margin beta * ((pc - pr) - (rc - rr))
+    and ``preferred`` whether it is > 0.
     """
 
     args_schema = DPOArgs
+    aggregation = "sequence-mean"
     supports_pipeline = False  # two forward passes per micro-batch (chosen, rejected)
 
     def _sequence_logprobs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,23 +140,19 @@ class DPOPolicyTrainer(PPOPolicyTrainer):
         rejected = sequence_logprob(batch["rejected_ref_logprobs"], batch["rejected_mask"]).to(self.device)
         return chosen, rejected
 
-    def train_step(self, data_list, iteration):
+    def stat_keys(self) -> tuple[str, ...]:
+        return ("dpo_loss", "reward_accuracy", "reward_margin")
+
+    def forward(self, mb: dict) -> Any:
+        return self._sequence_logprobs(mb)
+
+    def loss(self, mb: dict, out: Any, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.args
-        self.optimizer.zero_grad(set_to_none=True)
-        total = sum(len(mb["response_ids"]) for mb in data_list)
-        stats: dict[str, float] = {"dpo_loss": 0.0, "reward_accuracy": 0.0, "reward_margin": 0.0}
-        for mb, on in self.data_shard(data_list):
-            share = len(mb["response_ids"]) / total * on  # the step is the mean over the global batch's pairs
-            pc, pr = self._sequence_logprobs(mb)
-            rc, rr = self._ref(mb)
-            loss, st = dpo_loss(pc, pr, rc, rr, beta=a.dpo_weight, label_smoothing=a.label_smoothing, ipo=a.use_ipo)
-            (loss * share).backward()
-            stats["dpo_loss"] += float(loss.detach()) * share
-            stats["reward_accuracy"] += st["reward_accuracy"] * share
-            stats["reward_margin"] += st["reward_margin"] * share
-        stats = self.sum_stats(stats, list(stats))
-        stats.update(optimizer_step(self, a.max_grad_norm, "policy", losses=stats))
-        return stats
+        pc, pr = out
+        rc, rr = self._ref(mb)
+        loss, st = dpo_loss(pc, pr, rc, rr, beta=a.dpo_weight, label_smoothing=a.label_smoothing, ipo=a.use_ipo)
+        return loss * w, {"dpo_loss": float(loss.detach()) * w, "reward_accuracy": st["reward_accuracy"] * w,
+                          "reward_margin": st["reward_margin"] * w}
 
     @torch.no_grad()
     def eval_step(self, data):
@@ -178,38 +179,40 @@ def pairs_in_groups(scores: torch.Tensor, group_ids: list[int]) -> list[tuple[in
     return [(i, j) for m in members.values() for i in m for j in m if values[i] > values[j]]
 
 
-class OnlineDPOPolicyTrainer(PPOPolicyTrainer):
+class OnlineDPOPolicyTrainer(CausalLMTrainer):
     """ppo_policy of the online DPO engine: pairs from each prompt group's reward order, scored by the
     length-normalised (policy - reference) log-prob of each response (log-probs clamped to <= 0, as ChatLearn).
 
     The step's loss is the mean over all pairs of the global batch (each micro-batch weighted by its pairs)."""
 
     args_schema = OnlineDPOArgs
-    supports_pipeline = False  # its own loop, not `each_micro_batch`
+    supports_pipeline = False  # a micro-batch without pairs runs no forward pass
 
-    def train_step(self, data_list, iteration):
+    def global_batch(self, data_list: list[dict]) -> GlobalMean:
+        # the unit is a pair, found in each micro-batch's groups (online DPO's micro-batches hold whole groups)
+        self._pairs = [pairs_in_groups(mb["scores"], mb["group_id"]) for mb in data_list]
+        return global_mean([float(len(p)) for p in self._pairs])
+
+    def stat_keys(self) -> tuple[str, ...]:
+        return ("dpo_loss", "pair_accuracy", "margin")
+
+    def step_stats(self, mean: GlobalMean) -> dict[str, float]:
+        return {"num_pairs": mean.count}
+
+    def skip_step(self, mean: GlobalMean) -> bool:
+        return not mean.count
+
+    def micro_batch(self, i: int, mb: dict, on: float, w: float) -> tuple[torch.Tensor | None, dict[str, float]]:
         a = self.args
-        self.optimizer.zero_grad(set_to_none=True)
-        pairs = [pairs_in_groups(mb["scores"], mb["group_id"]) for mb in data_list]
-        total = sum(len(p) for p in pairs)
-        stats: dict[str, float] = {"dpo_loss": 0.0, "pair_accuracy": 0.0, "margin": 0.0, "num_pairs": float(total)}
-        pairs_of = {id(mb): p for mb, p in zip(data_list, pairs, strict=True)}
-        for mb, on in self.data_shard(data_list):
-            mb_pairs = pairs_of[id(mb)]
-            if not mb_pairs:
-                if self.parallel is None:
-                    continue  # no ordered pair (all rewards tied): no signal, as ChatLearn skips such groups
-                mb_pairs, on = [(0, 0)], 0.0  # every rank runs its passes (collectives); this one adds nothing
-            mask = mb["response_mask"].to(self.device)
-            lp = response_logprobs(self.fwd, mb, self.device, a.temperature).clamp(max=0)
-            ref = mb["ref_logprobs"].to(self.device).clamp(max=0)
-            s = sequence_logprob(lp, mask, length_normalize=True) - sequence_logprob(ref, mask, length_normalize=True)
-            loss, st = online_dpo_loss(s, mb_pairs, beta=a.dpo_weight, ipo=a.use_ipo)
-            share = len(mb_pairs) / max(total, 1) * on
-            (loss * share).backward()
-            stats["dpo_loss"] += float(loss.detach()) * share
-            stats["pair_accuracy"] += st["pair_accuracy"] * share
-            stats["margin"] += st["margin"] * share
-        stats = self.sum_stats(stats, ["dpo_loss", "pair_accuracy", "margin"])
-        stats.update(optimizer_step(self, a.max_grad_norm, "policy", skip=not total, losses=stats))
-        return stats
+        mb_pairs = self._pairs[i]
+        if not mb_pairs:
+            if self.parallel is None:
+                return None, {}  # no ordered pair (all rewards tied): no signal, as ChatLearn skips such groups
+            mb_pairs, w = [(0, 0)], 0.0  # every rank runs its passes (collectives); this one adds nothing
+        mask = mb["response_mask"].to(self.device)
+        lp = response_logprobs(self.fwd, mb, self.device, a.temperature).clamp(max=0)
+        ref = mb["ref_logprobs"].to(self.device).clamp(max=0)
+        s = sequence_logprob(lp, mask, length_normalize=True) - sequence_logprob(ref, mask, length_normalize=True)
+        loss, st = online_dpo_loss(s, mb_pairs, beta=a.dpo_weight, ipo=a.use_ipo)
+        return loss * w, {"dpo_loss": float(loss.detach()) * w, "pair_accuracy": st["pair_accuracy"] * w,
+                          "margin": st["margin"] * w}

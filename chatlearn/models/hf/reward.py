@@ -1,9 +1,11 @@
 """Reward: a Python rule function, or a Hugging Face scalar reward model.
 
-Both end in the same place: a score per sample, then the experience, as ChatLearn's reward inference does:
-PPO's (KL-penalized per-token rewards and GAE advantages/returns) when the upstream outputs carry log-probs
-and values; GRPO's (group-normalised advantages, one per response) when they carry prompt groups and no
-values (no critic). Whitening of PPO advantages happens in the trainer, over each global batch.
+Both end in the same place: a score per sample, then the experience, as ChatLearn's reward inference does, by
+the advantage estimator the engine names (``args_dict.advantage_estimator``, default the engine's; see
+:mod:`chatlearn.algorithms.advantages`): PPO's ``gae`` (KL-penalized per-token rewards and GAE
+advantages/returns) under rlhf, GRPO's ``grpo`` (group-normalised advantages, one per response) under grpo and
+online_dpo. A batch without what the estimator reads is an error naming it, never silently no advantages.
+Whitening of PPO advantages happens in the trainer, over each global batch.
 
 How a rule function is called (each call bounded by a timeout, errors naming the hook and the sample) is
 `chatlearn.models.rule`. With ``fan_out`` (the default) the rule is not called in the reward's actor: each
@@ -20,8 +22,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import AutoModelForSequenceClassification
 
-from chatlearn.algorithms import get_advantage_estimator, kl_penalized_rewards
-from chatlearn.algorithms.grpo import group_advantages_by_id
+from chatlearn.algorithms import ADVANTAGE_ESTIMATORS, advantage_estimator_inputs, get_advantage_estimator
+from chatlearn.config.engines import ENGINES
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, load_tokenizer
 from chatlearn.models.rule import RuleSpec
@@ -36,8 +38,19 @@ class PPOExperienceArgs(BaseModel):
     kl_coef: float = Field(0.02, ge=0, description="weight of the per-token KL penalty to the reference")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
-    advantage_estimator: str = Field("gae", description="registered advantage estimator")
+    advantage_estimator: str | None = Field(
+        None, description="registered advantage estimator (gae, grpo); default: the engine's (rlhf: gae, grpo and "
+        "online_dpo: grpo)")
     score_clip: float = Field(100.0, gt=0, description="clip scores to +-score_clip (ChatLearn cliprange_reward)")
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _registered(cls, name: str | None) -> str | None:
+        # checked with the config, before any actor starts
+        if name is not None and name not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
+        return name
+
 
 
 class RuleRewardArgs(PPOExperienceArgs):
@@ -60,31 +73,37 @@ class ModelRewardArgs(PPOExperienceArgs, HFModelArgs):
 
 
 class _ExperienceMixin:
-    """Scores -> KL-penalized rewards -> advantages/returns, for any reward module."""
+    """Scores -> advantages (and whatever else the engine's advantage estimator makes), for any reward module."""
 
     args: PPOExperienceArgs
     name: str
+    runtime_args: Any
+
+    @staticmethod
+    def estimator_inputs(name: str) -> tuple[str, ...] | None:
+        """The batch fields the estimator ``name`` reads (None: no such estimator); the engine checks ask it."""
+        return advantage_estimator_inputs(name) if name in ADVANTAGE_ESTIMATORS else None
+
+    def advantage_estimator(self) -> str:
+        """The estimator this reward runs: ``args_dict.advantage_estimator``, else its engine's."""
+        name = self.args.advantage_estimator or ENGINES[self.runtime_args.engine].advantage_estimator
+        if name is None:
+            raise RunError(f"{self.name}: the {self.runtime_args.engine} engine trains on no advantages; set "
+                           f"models.{self.name}.args_dict.advantage_estimator (known: {sorted(ADVANTAGE_ESTIMATORS)})")
+        return name
 
     def make_experience(self, data: dict, scores: torch.Tensor) -> dict:
         # before the clip: clamp turns an infinite score into a finite +-score_clip and would hide it
         self._check_finite(data, scores.float(), "score")
         scores = scores.float().clamp(-self.args.score_clip, self.args.score_clip)
+        name = self.advantage_estimator()
+        missing = [k for k in advantage_estimator_inputs(name) if k not in data]
+        if missing:  # not silently no advantages: the engine's models do not give what its estimator reads
+            raise RunError(f"{self.name}: the advantage estimator {name!r} reads {missing}, which the batch does not "
+                           f"hold (its fields: {sorted(data)})")
         out: dict[str, Any] = {"scores": scores}
-        if "group_id" in data and "values" not in data:
-            # GRPO: no critic, each response is judged against the other responses to its prompt
-            out["advantages"] = group_advantages_by_id(scores, data["group_id"])
-            if "ref_logprobs" in data and "logprobs" in data:
-                mask = data["response_mask"]
-                out["kl"] = (data["logprobs"] - data["ref_logprobs"]) * mask  # reported, not a reward penalty
-        elif all(k in data for k in ("logprobs", "ref_logprobs", "values", "response_mask")):
-            mask = data["response_mask"]
-            rewards, kl = kl_penalized_rewards(scores, data["logprobs"], data["ref_logprobs"], mask, self.args.kl_coef)
-            estimator = get_advantage_estimator(self.args.advantage_estimator)
-            adv, ret = estimator(rewards=rewards, values=data["values"], mask=mask, gamma=self.args.gamma,
-                                 lam=self.args.lam)
-            out.update(rewards=rewards, kl=kl, advantages=adv, returns=ret)
-        if "advantages" in out:
-            self._check_advantages(data, out)
+        out.update(get_advantage_estimator(name)({**data, "scores": scores}, self.args))
+        self._check_advantages(data, out)
         return out
 
     def _check_finite(self, data: dict, values: torch.Tensor, what: str, mask: torch.Tensor | None = None,
