@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from chatlearn.runtime.param_sync import SyncGroup, digest, specs_of, transfer  # noqa: E402
+from chatlearn.runtime.param_sync import Staging, SyncGroup, digest, specs_of, transfer  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "param_sync.json"
 METHODS = [  # name, comm, coalesce, bucket MiB
@@ -89,7 +89,7 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: dict)
             group.recv(flat)
 
     times: dict[str, list[float]] = {}
-    staging: dict[str, dict] = {name: {} for name, *_ in METHODS}  # kept from sync to sync, as a run does
+    staging = {name: Staging() for name, *_ in METHODS}  # kept from sync to sync, as a run does
     exact = True
     for rnd in range(args.rounds + 1):
         for kind in ("broadcast", "p2p"):

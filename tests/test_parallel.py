@@ -283,11 +283,11 @@ def test_the_debug_check_names_the_first_tensor_that_differs():
     route = SyncRoute(key="t->p", src="t", dst="p", src_ranks=["w0"], dst_ranks=[["w1"], ["w2", "w3"]],
                       specs=[("a", [2], "float32"), ("b", [2], "float32")])
     sent = {"a": "1", "b": "2"}
-    results = {"w0": {"digests": sent}, "w1": {"digests": sent}, "w2": {"digests": sent},
-               "w3": {"digests": {"a": "1", "b": "x"}}}
+    results = {"w0": {"trainer_digests": sent}, "w1": {"receiver_digests": sent}, "w2": {"receiver_digests": sent},
+               "w3": {"receiver_digests": {"a": "1", "b": "x"}}}
     assert first_mismatch(route, results) == ("param sync t->p (debug check): p replica 1 rank 1 (process w3) has "
                                               "'b' different from t's after the sync")
-    results["w3"] = {"digests": sent}
+    results["w3"] = {"receiver_digests": sent}
     assert first_mismatch(route, results) is None
 
 

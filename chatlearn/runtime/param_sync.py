@@ -1,17 +1,23 @@
 """Parameter sync over a collective group: a trainer's weights to its inference copies, bit for bit.
 
 One sync group joins the trainer's rank 0 (group rank 0) with every process of the inference copies that is
-not the trainer's own process; the trainer's other ranks take part through their own torch world (they gather
+outside the trainer's processes; the trainer's other ranks take part through their own torch world (they gather
 sharded weights with rank 0). Every member walks the same bucket plan (:func:`plan_buckets`, computed from the
 tensors' names, global shapes and dtypes), so nothing but the data crosses the wire:
 
-* the trainer gathers each tensor whole (``DTensor.full_tensor()`` for FSDP2/TP shards: a collective of its
-  ranks), packs a bucket of at most ``max_bytes`` into a staging buffer allocated once per sync and reused (the
-  peak extra memory is one bucket; a tensor larger than that travels alone, unstaged) and sends it by
-  ``broadcast`` or ``p2p`` (one ``send`` per receiver, all in flight at once);
-* a receiver copies each tensor into its own: in place, whole for a plain tensor, its slice for a DTensor (a
-  differently sharded inference model: TP of another degree), so a model's storage never changes;
-* a receiver in the trainer's own process (colocated) copies from the gathered tensor, no communication.
+* the :class:`Sender` (every trainer process) gathers each tensor whole (``DTensor.full_tensor()`` for FSDP2/TP
+  shards: a collective of its ranks); on the group's rank 0 it packs a bucket of at most half ``max_bytes``
+  into one of two :class:`Staging` buffers (kept from sync to sync; one is packed while the other is on the
+  wire; a tensor larger than a bucket travels alone, unstaged) and sends it by ``broadcast`` or ``p2p`` (one
+  ``send`` per receiver, all in flight at once);
+* a :class:`Receiver` (a group rank > 0) receives the same buckets into its own staging buffers and copies each
+  tensor into its own: in place, whole for a plain tensor, its slice for a DTensor (a differently sharded
+  inference model: TP of another degree), so a model's storage never changes;
+* a receiver in a trainer process (colocated) is not in the group: the sender there copies each gathered
+  tensor into it, no communication.
+
+With ``debug`` every process digests what it holds afterwards (the trainer's tensors, a receiver's, or both),
+so a caller can compare every receiver with the trainer.
 
 Groups between separate torch worlds are *stateless* (a TCPStore plus a raw ``ProcessGroupGloo``/``NCCL``, see
 ``../shared/reference/torch_dist_cpu.md`` §1), created with a timeout: a dead or stuck peer becomes an error
@@ -22,7 +28,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,8 +38,8 @@ import torch.distributed as dist
 from chatlearn.models.parallel import full_tensor, load_full_tensor
 from chatlearn.utils.tied import without_aliases
 
-__all__ = ["SyncError", "SyncGroup", "TensorSpec", "broadcast_tensors", "digest", "plan_buckets", "specs_of",
-           "transfer"]
+__all__ = ["Receiver", "Sender", "Staging", "SyncError", "SyncGroup", "TensorSpec", "broadcast_tensors", "digest",
+           "plan_buckets", "specs_of", "transfer"]
 
 TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
 
@@ -49,11 +56,15 @@ def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     return [(n, tuple(t.shape), t.dtype) for n, t in without_aliases(tensors)[0].items()]
 
 
-def _nbytes(spec: TensorSpec) -> int:
+def _numel(spec: TensorSpec) -> int:
     numel = 1
     for d in spec[1]:
         numel *= d
-    return numel * torch.empty((), dtype=spec[2]).element_size()
+    return numel
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    return _numel(spec) * torch.empty((), dtype=spec[2]).element_size()
 
 
 def plan_buckets(specs: list[TensorSpec], max_bytes: int) -> list[list[int]]:
@@ -162,116 +173,181 @@ class SyncGroup:
         self._store = None
 
 
+class Staging:
+    """The bucket buffers of one route, kept by the caller from sync to sync (a fresh buffer costs its page
+    faults every sync). A slot is ``(dtype, 0 or 1)``: two buffers per dtype of half a bucket each, so one is
+    packed (or unpacked) while the other is on the wire, and together they stay within ``max_bytes``. A tensor
+    larger than a bucket never enters one: it travels alone, unstaged."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+    def buffer(self, slot: tuple[torch.dtype, int], numel: int, device: torch.device) -> torch.Tensor:
+        """The first ``numel`` elements of ``slot``'s buffer, grown (or moved) when it does not fit."""
+        flat = self.buffers.get(slot)
+        if flat is None or flat.numel() < numel or flat.device != device:
+            flat = self.buffers[slot] = torch.empty(numel, dtype=slot[0], device=device)
+        return flat[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+class _Wire:
+    """One sync's transfers on ``group``: posted at once, waited for only when their buffer is needed again
+    (or at the end), each followed by what the receiver does with it (unpacking, a sliced copy)."""
+
+    def __init__(self, group: SyncGroup, comm: str, staging: Staging):
+        self.group, self.comm, self.staging = group, comm, staging
+        self.pending: list[tuple[list, Any, Callable[[], None] | None]] = []  # (works, staging slot, then)
+        self.buckets = 0  # staged buckets so far: they take the two slots in turn
+        self.largest = 0  # the staging buffers' bytes at their largest
+
+    def post(self, buf: torch.Tensor, slot: Any = None, then: Callable[[], None] | None = None) -> None:
+        self.pending.append((self.group.post(buf, self.comm), slot, then))
+
+    def settle(self, slot: Any = None) -> None:
+        """Wait for the transfers through staging ``slot`` (None: all of them) and run what follows each."""
+        keep = []
+        for works, used, then in self.pending:
+            if slot is not None and used != slot:
+                keep.append((works, used, then))
+                continue
+            self.group.wait(works, self.comm)
+            if then is not None:
+                then()
+        self.pending = keep
+
+    def stage(self, dtype: torch.dtype, numel: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+        """A staging buffer for the next bucket: the slot the bucket before last used, once that has left it."""
+        slot = (dtype, self.buckets % 2)
+        self.buckets += 1
+        self.settle(slot)
+        flat = self.staging.buffer(slot, numel, device)
+        self.largest = max(self.largest, self.staging.nbytes)
+        return slot, flat
+
+
+class Sender:
+    """The trainer's side, in each of its processes: gather each tensor whole (``full_tensor``, a collective of
+    the trainer's ranks for a DTensor, so every rank walks the plan), copy it into a ``colocated`` receiver's
+    tensors in-process, and on the sync group's rank 0 send it: a bucket packed into a staging buffer, a
+    tensor alone as it is."""
+
+    def __init__(self, sources: Mapping[str, Any], group: SyncGroup | None = None,
+                 colocated: Mapping[str, torch.Tensor] | None = None, comm: str = "broadcast",
+                 staging: Staging | None = None):
+        self.sources, self.group, self.colocated, self.comm = sources, group, colocated, comm
+        self.staging = Staging() if staging is None else staging
+
+    def run(self, specs: list[TensorSpec], plan: list[list[int]]) -> tuple[int, int]:
+        """Send ``plan``'s buckets; returns (collectives posted, largest staging bytes)."""
+        wire = _Wire(self.group, self.comm, self.staging) if self.group is not None else None
+        for bucket in plan:
+            fulls = [full_tensor(self.sources[specs[i][0]]).detach() for i in bucket]
+            if self.colocated is not None:
+                with torch.no_grad():
+                    for i, full in zip(bucket, fulls, strict=True):
+                        load_full_tensor(self.colocated[specs[i][0]], full)
+            if wire is None:
+                continue
+            if len(bucket) == 1:
+                wire.post(fulls[0].contiguous())
+                continue
+            sizes = [_numel(specs[i]) for i in bucket]
+            slot, flat = wire.stage(specs[bucket[0]][2], sum(sizes), fulls[0].device)
+            offset = 0
+            for full, n in zip(fulls, sizes, strict=True):
+                flat[offset: offset + n].copy_(full.reshape(-1))
+                offset += n
+            wire.post(flat, slot)
+        if wire is None:
+            return 0, 0
+        wire.settle()
+        return len(plan), wire.largest
+
+
+class Receiver:
+    """A receiver outside the trainer's processes (the sync group's rank > 0): receive each bucket and copy
+    every tensor into its own ``targets`` in place: whole for a plain tensor, its slice for a DTensor."""
+
+    def __init__(self, targets: Mapping[str, torch.Tensor], group: SyncGroup, comm: str = "broadcast",
+                 staging: Staging | None = None):
+        self.targets, self.group, self.comm = targets, group, comm
+        self.staging = Staging() if staging is None else staging
+
+    def run(self, specs: list[TensorSpec], plan: list[list[int]], max_bytes: int) -> tuple[int, int]:
+        """Receive ``plan``'s buckets; returns (collectives posted, largest staging bytes). A lone tensor goes
+        straight into its target when that is one plain contiguous tensor, else into a temporary buffer; those
+        stay in flight together up to ``2 * max_bytes``."""
+        wire = _Wire(self.group, self.comm, self.staging)
+        unstaged = 0  # bytes of temporary receive buffers in flight
+        for bucket in plan:
+            if len(bucket) > 1:
+                sizes = [_numel(specs[i]) for i in bucket]
+                slot, flat = wire.stage(specs[bucket[0]][2], sum(sizes), self.targets[specs[bucket[0]][0]].device)
+                wire.post(flat, slot, partial(self._unpack, flat, [specs[i] for i in bucket], sizes))
+                continue
+            spec = specs[bucket[0]]
+            name, shape, dtype = spec
+            target = self.targets[name]
+            if not hasattr(target, "device_mesh") and target.is_contiguous() and tuple(target.shape) == shape:
+                wire.post(target)
+                continue
+            if unstaged + _nbytes(spec) > 2 * max_bytes:
+                wire.settle()
+                unstaged = 0
+            unstaged += _nbytes(spec)
+            buf = torch.empty(shape, dtype=dtype, device=target.device)
+            wire.post(buf, then=partial(self._load, target, buf))
+        wire.settle()
+        return len(plan), wire.largest
+
+    @staticmethod
+    def _load(target: torch.Tensor, full: torch.Tensor) -> None:
+        with torch.no_grad():
+            load_full_tensor(target, full)
+
+    def _unpack(self, flat: torch.Tensor, specs: list[TensorSpec], sizes: list[int]) -> None:
+        offset = 0
+        for (name, shape, _), n in zip(specs, sizes, strict=True):
+            self._load(self.targets[name], flat[offset: offset + n].view(shape))
+            offset += n
+
+
 def transfer(specs: list[TensorSpec], *, group: SyncGroup | None = None, sources: Mapping[str, Any] | None = None,
              targets: Mapping[str, torch.Tensor] | None = None, comm: str = "broadcast", coalesce: bool = True,
-             max_bytes: int = 100 * 2**20, debug: bool = False,
-             staging: dict[Any, torch.Tensor] | None = None) -> dict[str, Any]:
-    """One process's part of a sync of the tensors ``specs``.
+             max_bytes: int = 100 * 2**20, debug: bool = False, staging: Staging | None = None) -> dict[str, Any]:
+    """One process's part of a sync of the tensors ``specs``: a :class:`Sender` where it hosts a trainer rank
+    (``sources``; every trainer rank calls, with its sources in the same order), with ``targets`` copied
+    in-process (a colocated receiver); else a :class:`Receiver` into ``targets`` when it is in ``group``.
 
-    ``sources``: this process hosts a trainer rank (its tensors, DTensors gathered here: every trainer rank
-    calls with its sources in the same order). ``group``: its rank 0 sends the gathered tensors, other ranks
-    receive into ``targets``. ``targets`` without a group: a receiver colocated with a trainer rank, loaded
-    from the gathered tensors in-process. ``staging``: the bucket buffers, two of half ``max_bytes`` per
-    dtype, kept by the caller from one sync to the next (a fresh buffer costs its page faults every sync);
-    one is packed while the other is on the wire. Transfers that need no staging buffer stay in flight
-    together (at most ``2 * max_bytes`` of temporary receive buffers). Returns the number of transfers, the bytes,
-    the largest staging buffer and, with ``debug``, a digest of every tensor this process ended up with
-    (trainer: sent).
+    ``coalesce``: buckets of at most half ``max_bytes`` (the two staging slots together stay within it), else
+    one transfer per tensor. ``staging``: the route's buffers, kept by the caller from sync to sync. Returns
+    the number of transfers, the bytes, the largest staging bytes and, with ``debug``, a digest of every tensor
+    the trainer holds (``trainer_digests``, in its processes) and every tensor a receiver holds after the sync
+    (``receiver_digests``, in its processes, colocated ones too). Every process computes its digests after its
+    part of the sync, the trainer's before the receiver's: for DTensors both are collectives of that model's
+    ranks, which thus meet in the same order.
     """
     if comm not in ("broadcast", "p2p"):
         raise ValueError(f"param_sync_comm_type must be broadcast or p2p, got {comm!r}")
-    sending = group is not None and group.rank == 0
-    receiving = group is not None and group.rank > 0
-    if sending and sources is None:
-        raise ValueError("the sync group's rank 0 must host the trainer")
-    local = targets is not None and sources is not None  # colocated receiver: copy in-process
-    # two staging slots of half a bucket each: packing (or unpacking) one overlaps the transfer of the other,
-    # and together they stay within max_bytes
+    if group is not None and (group.rank == 0) != (sources is not None):
+        raise ValueError("the sync group's rank 0, and no other, must host the trainer")
     plan = plan_buckets(specs, max(1, max_bytes // 2)) if coalesce else [[i] for i in range(len(specs))]
-    staging = {} if staging is None else staging
-    calls, largest, temp_bytes = 0, 0, 0
-    digests: dict[str, str] = {}
-    inflight: list[tuple[list, Any, Any]] = []  # (works, staging slot or None, what to do after)
-    slot_of_bucket = 0
-
-    def drain(slot: Any = None) -> None:
-        """Wait for the transfers using staging ``slot`` (None: all), then run what follows each."""
-        nonlocal temp_bytes
-        keep = []
-        for works, used, after in inflight:
-            if slot is not None and used != slot:
-                keep.append((works, used, after))
-                continue
-            group.wait(works, comm)
-            if after is not None:
-                after()
-        inflight[:] = keep
-        if slot is None:
-            temp_bytes = 0
-
-    for bucket in plan:
-        names = [specs[i][0] for i in bucket]
-        fulls = [full_tensor(sources[n]).detach() for n in names] if sources is not None else None
-        if local:
-            with torch.no_grad():
-                for n, f in zip(names, fulls, strict=True):
-                    load_full_tensor(targets[n], f)
-        if group is None:
-            continue
-        calls += 1
-        if len(bucket) == 1:
-            name, shape, dtype = specs[bucket[0]]
-            after = None
-            if sending:
-                buf = fulls[0].contiguous()
-            else:
-                t = targets[name]
-                direct = not hasattr(t, "device_mesh") and t.is_contiguous() and tuple(t.shape) == shape
-                buf = t if direct else torch.empty(shape, dtype=dtype, device=t.device)
-                if not direct:
-                    if temp_bytes + _nbytes(specs[bucket[0]]) > 2 * max_bytes:
-                        drain()
-                    temp_bytes += _nbytes(specs[bucket[0]])
-
-                    def after(t=t, buf=buf) -> None:
-                        with torch.no_grad():
-                            load_full_tensor(t, buf)
-            inflight.append((group.post(buf, comm), None, after))
-            continue
-        dtype = specs[bucket[0]][2]
-        sizes = [_nbytes(specs[i]) // torch.empty((), dtype=dtype).element_size() for i in bucket]
-        device = (fulls[0] if sending else targets[names[0]]).device
-        slot = (dtype, slot_of_bucket % 2)
-        slot_of_bucket += 1
-        drain(slot)  # the bucket before last must be out of this buffer first
-        flat = staging.get(slot)
-        if flat is None or flat.numel() < sum(sizes) or flat.device != device:
-            flat = staging[slot] = torch.empty(sum(sizes), dtype=dtype, device=device)
-        view = flat[:sum(sizes)]
-        largest = max(largest, sum(t.numel() * t.element_size() for t in staging.values()))
-        if sending:
-            offset = 0
-            for f, n in zip(fulls, sizes, strict=True):
-                view[offset: offset + n].copy_(f.reshape(-1))
-                offset += n
-        after = None
-        if receiving:
-            def after(view=view, bucket=bucket, sizes=sizes) -> None:
-                offset = 0
-                with torch.no_grad():
-                    for i, n in zip(bucket, sizes, strict=True):
-                        load_full_tensor(targets[specs[i][0]], view[offset: offset + n].view(specs[i][1]))
-                        offset += n
-        inflight.append((group.post(view, comm), slot, after))
-    if group is not None:
-        drain()
+    collectives, largest = 0, 0
+    if sources is not None:
+        collectives, largest = Sender(sources, group, targets, comm, staging).run(specs, plan)
+    elif group is not None:
+        collectives, largest = Receiver(targets, group, comm, staging).run(specs, plan, max_bytes)
+    stats: dict[str, Any] = {"collectives": collectives, "bytes": sum(_nbytes(s) for s in specs),
+                             "staging_bytes": largest, "trainer_digests": {}, "receiver_digests": {}}
     if debug:
-        if sources is not None and (sending or group is None):
-            digests = {n: digest(full_tensor(sources[n])) for n, _, _ in specs}
-        elif targets is not None:
-            digests = {n: digest(full_tensor(targets[n])) for n, _, _ in specs}
-    return {"collectives": calls, "bytes": sum(_nbytes(s) for s in specs),
-            "staging_bytes": largest, "digests": digests}
+        for key, tensors in (("trainer_digests", sources), ("receiver_digests", targets)):
+            if tensors is not None:
+                stats[key] = {n: digest(full_tensor(tensors[n])) for n, _, _ in specs}
+    return stats
 
 
 def broadcast_tensors(tensors: Mapping[str, torch.Tensor], src: int, group: Any = None, *, coalesce: bool = True,

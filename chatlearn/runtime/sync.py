@@ -128,10 +128,10 @@ def _wait(route: SyncRoute, refs: dict[str, Any], what: str, grace_s: float = 30
 
 def first_mismatch(route: SyncRoute, results: dict[str, dict]) -> str | None:
     """``debug``: every receiver's digests against the trainer's; the first tensor that differs, named."""
-    sent = results[route.src_ranks[0]]["digests"]
+    sent = results[route.src_ranks[0]]["trainer_digests"]
     for r, rep in enumerate(route.dst_ranks):
         for k, proc in enumerate(rep):
-            got = results[proc]["digests"]
+            got = results[proc]["receiver_digests"]
             for name, _, _ in route.specs:
                 if got.get(name) != sent.get(name):
                     return (f"param sync {route.key} (debug check): {route.dst} replica {r} rank {k} (process "

@@ -25,7 +25,7 @@ from chatlearn.models.base_module import BaseModule
 from chatlearn.models.memory import PARTS, MemoryManager
 from chatlearn.models.parallel import ParallelContext, ParallelDims
 from chatlearn.runtime.host import ModelHost, resident_parts
-from chatlearn.runtime.param_sync import SyncGroup, specs_of, transfer
+from chatlearn.runtime.param_sync import Staging, SyncGroup, specs_of, transfer
 from chatlearn.runtime.profiling import StageMarks
 from chatlearn.utils.devices import fake_gpus
 
@@ -61,7 +61,7 @@ class Worker:
         self.released: dict[str, dict[str, int]] = {name: dict.fromkeys(PARTS, 0) for name in self.slots}
         self.world_rank = 0
         self.sync_groups: dict[str, SyncGroup] = {}
-        self.sync_staging: dict[str, dict] = {}  # per route: its bucket buffers, kept from sync to sync
+        self.sync_staging: dict[str, Staging] = {}  # per route: its bucket buffers, kept from sync to sync
         self.marks = StageMarks(runtime_args.nsys, self.ranks)  # NVTX ranges and the torch profiler
 
     # -- torch.distributed ----------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class Worker:
                             sources=self.slots[src].module.sync_sources() if hosts_src else None,
                             targets=self.slots[dst].module.sync_targets() if hosts_dst else None,
                             comm=route["comm"], coalesce=route["coalesce"], max_bytes=route["bucket_bytes"],
-                            debug=route["debug"], staging=self.sync_staging.setdefault(route["key"], {}))
+                            debug=route["debug"], staging=self.sync_staging.setdefault(route["key"], Staging()))
 
     def copy_local(self, dst: str, src: str) -> bool:
         """Parameter sync between two models of this process: a plain copy, no serialization."""
