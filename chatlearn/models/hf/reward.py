@@ -52,7 +52,6 @@ class PPOExperienceArgs(BaseModel):
         return name
 
 
-
 class RuleRewardArgs(PPOExperienceArgs):
     reward_fn: str = Field(..., description="'package.module:function' taking a sample dict, returning a float")
     fan_out: bool = Field(True, description="score each generation batch in its own Prefect task on Ray, in "
