@@ -84,49 +84,36 @@ def test_reward_builds_ppo_experience(rollout, tiny_model_dir):
     assert torch.allclose(exp["returns"], (exp["advantages"] + exp["values"]) * mask, atol=1e-6)
 
 
-def test_gradient_accumulation_equals_one_big_batch(rollout, tiny_model_dir):
+def ragged_split(out, tiny_model_dir):
+    """The rollout's experience as one batch of 6 and as micro-batches of 2 + 4 responses of 3 + 15 tokens
+    (ragged responses): token shares (1/6, 5/6) differ from sequence shares and from a mean of the means."""
     from chatlearn.data.batch import collate_samples, split_batch
 
-    _, out = rollout
-    exp = experience(out, tiny_model_dir)
-    samples = split_batch(exp)
-    whole = [collate_samples(samples)]
-    halves = [collate_samples(samples[:3]), collate_samples(samples[3:])]
-    a = bound(PPOPolicyTrainer, "ppo_policy", {"model_path": tiny_model_dir}, trainable=True)
-    b = bound(PPOPolicyTrainer, "ppo_policy", {"model_path": tiny_model_dir}, trainable=True)
-    sa = a.train_step(copy.deepcopy(whole), 0)
-    sb = b.train_step(copy.deepcopy(halves), 0)
-    assert sa["policy_loss"] == pytest.approx(sb["policy_loss"], abs=1e-5)
-    for (n, pa), pb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
-        assert torch.allclose(pa, pb, atol=1e-5), n
-    init = bound(PPOPolicyTrainer, "ppo_policy", {"model_path": tiny_model_dir}, trainable=True)
-    assert any(not torch.equal(p, q) for p, q in zip(a.model.parameters(), init.model.parameters()))
-
-
-def test_value_gradient_accumulation_equals_one_big_batch(rollout, tiny_model_dir):
-    """The value trainer runs the same trainer loop: micro-batches of 2 + 4 responses of 3 + 15 tokens make
-    the step of one batch of 6, each weighted by its share of the response tokens (not of the responses, and
-    not a mean of the micro-batch means)."""
-    from chatlearn.data.batch import collate_samples, split_batch
-
-    _, out = rollout
-    exp = experience(out, tiny_model_dir)
-    samples = split_batch(exp)
-    for sample, length in zip(samples, [1, 2, 4, 4, 3, 4], strict=True):  # ragged responses
+    samples = split_batch(experience(out, tiny_model_dir))
+    for sample, length in zip(samples, [1, 2, 4, 4, 3, 4], strict=True):
         sample["response_mask"] = sample["response_mask"].clone()
         sample["response_mask"][length:] = 0
-    whole = [collate_samples(samples)]
-    halves = [collate_samples(samples[:2]), collate_samples(samples[2:])]
-    a = bound(PPOValueTrainer, "ppo_value", {"model_path": tiny_model_dir}, trainable=True)
-    b = bound(PPOValueTrainer, "ppo_value", {"model_path": tiny_model_dir}, trainable=True)
+    return [collate_samples(samples)], [collate_samples(samples[:2]), collate_samples(samples[2:])]
+
+
+@pytest.mark.parametrize(("cls", "name", "keys"), [
+    (PPOPolicyTrainer, "ppo_policy", ("policy_loss", "clipfrac", "approx_kl", "policy_grad_norm")),
+    (PPOValueTrainer, "ppo_value", ("value_loss", "vf_clipfrac", "value_grad_norm"))])
+def test_gradient_accumulation_equals_one_big_batch(rollout, tiny_model_dir, cls, name, keys):
+    """The policy and value trainers run the same trainer loop: the micro-batches' step is the whole batch's
+    (statistics and weights), each micro-batch weighted by its share of the response tokens."""
+    _, out = rollout
+    whole, parts = ragged_split(out, tiny_model_dir)
+    a = bound(cls, name, {"model_path": tiny_model_dir}, trainable=True)
+    b = bound(cls, name, {"model_path": tiny_model_dir}, trainable=True)
     sa = a.train_step(copy.deepcopy(whole), 0)
-    sb = b.train_step(copy.deepcopy(halves), 0)
-    assert sa["value_loss"] > 0 and sa["value_grad_norm"] > 0
-    for key in ("value_loss", "vf_clipfrac", "value_grad_norm"):
-        assert sa[key] == pytest.approx(sb[key], abs=1e-5), key
+    sb = b.train_step(copy.deepcopy(parts), 0)
+    assert sa[keys[0]] != 0 and sa[keys[-1]] > 0
+    for key in keys:
+        assert sa[key] == pytest.approx(sb[key], abs=1e-5, rel=1e-5), key
     for (n, pa), pb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
         assert torch.allclose(pa, pb, atol=1e-5), n
-    init = bound(PPOValueTrainer, "ppo_value", {"model_path": tiny_model_dir}, trainable=True)
+    init = bound(cls, name, {"model_path": tiny_model_dir}, trainable=True)
     assert any(not torch.equal(p, q) for p, q in zip(a.model.parameters(), init.model.parameters()))
 
 
