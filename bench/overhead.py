@@ -12,7 +12,8 @@ the schedule's period each variant sees the default's mix of eval and plain epis
 Variants (`--variant NAME`, repeatable; default: all):
 
     direct        no Prefect: the stage tasks' bodies (`task.fn`) called from the driver in the episode
-                  flow's order with the same RunHandle (rule rewards are plain Ray tasks there too)
+                  flow's order with the same RunHandle (its rule-reward batches are still Prefect tasks on
+                  Ray, as in every variant)
     ray-only      no Prefect: each stage body a plain Ray task (num_cpus=0), chained as RayTaskRunner
                   chains them: what Ray's task dispatch costs without Prefect's engine
     prefect       `episode_flow` as the real subflow, as `chatlearn train` runs it: its stage tasks on
@@ -30,15 +31,24 @@ median of the per-round difference to `direct` (same round, same work), the orch
 (prefect - direct) / prefect. For the subflow variants the Prefect API's task-run timestamps split the
 overhead: subflow entry, per stage the wait before the task runs (Ray dispatch + Prefect's task engine
 before Running), Prefect's time inside the Running window beyond the body, the body's own difference to
-`direct` (score fans out rule-reward tasks), and the subflow's exit. Then micro-measurements of the pieces
+`direct`, and the subflow's exit. Then micro-measurements of the pieces
 (a no-op task through each path, an empty subflow with and without heartbeats, what a Prefect task does in
 a Ray worker before its body: SSL context, API client, context hydration). `--profile N` then runs N more
 `prefect` episodes under py-spy (one sampler per process: the driver and this run's idle Ray task workers,
 idle time included; the samplers slow the episode, so read shares, not seconds) and lists the functions
 the time is spent in. Prints tables and writes `bench/results/overhead.json`.
 
+Rule-reward tasks (`--rule-tasks N`, default 30; `--rule-tasks-only` runs just this, no actors, and writes
+`bench/results/rule_tasks.json`): the median per-task cost of the `rule-reward` Prefect task
+(`flows/rule_tasks.py`) on one 64-sample batch, submitted from inside a task as the score stage does, on
+prefect-ray's `RayTaskRunner` (before) and on `WarmRayTaskRunner` (after, `flows/ray_tasks.py`), the two
+interleaved round by round in one run: one task at a time (submit -> result), the driver's share of it
+(submit), and N at once. Then where the `RayTaskRunner` time goes: the driver's settings serialization and
+the worker's settings hydration, API clients and TLS contexts, measured one by one.
+
     .venv/bin/python bench/overhead.py [--rounds 10] [--variant prefect --variant direct ...]
-                                       [--profile 6] [key=value overrides]
+                                       [--profile 6] [--rule-tasks 30] [key=value overrides]
+    .venv/bin/python bench/overhead.py --rule-tasks-only [--rule-tasks 30]
 """
 
 import argparse
@@ -77,7 +87,7 @@ UPSTREAM = {"score": "generate", "train": "score", "sync": "train", "checkpoint"
 
 @contextlib.contextmanager
 def _no_prefect() -> Any:
-    """Within: the stage bodies create no Prefect artifact (their rule rewards are plain Ray tasks anyway)."""
+    """Within: the stage bodies create no Prefect artifact (their rule-reward tasks stay Prefect tasks)."""
     import flows.stage_tasks as st
 
     saved = st.create_table_artifact
@@ -330,6 +340,115 @@ def micro(run: Any, reps: int) -> dict[str, float]:
     return out
 
 
+# ---- rule-reward Prefect tasks on Ray: prefect-ray's runner against the warm one ----
+
+RULE_BATCH = 64  # samples per batch: the default config's generation batch
+
+
+def rule_task_costs(rule: Any, n: int, rounds: int = 3) -> dict[str, Any]:
+    """Median ms per `rule-reward` task on each runner (interleaved over ``rounds``), and the pieces of
+    prefect-ray's per-task cost. Call inside a flow run (the bench flow)."""
+    import ray
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.context import SettingsContext, serialize_context
+    from prefect_ray import RayTaskRunner
+    from prefect_ray.context import remote_options
+
+    from chatlearn.runtime.handles import RefBox
+    from flows.ray_tasks import WarmRayTaskRunner
+    from flows.rule_tasks import rule_reward
+
+    batch = RefBox([ray.put({"sample_id": list(range(RULE_BATCH)), "prompt": ["max 3 9 4 ?"] * RULE_BATCH,
+                             "response": ["9"] * RULE_BATCH, "answer": ["9"] * RULE_BATCH})])
+    params = {"batch": batch, "rule": rule, "episode_start": 0}
+    runners = {"RayTaskRunner (prefect-ray)": RayTaskRunner, "WarmRayTaskRunner": WarmRayTaskRunner}
+
+    @task(name="score", cache_policy=NO_CACHE)
+    def measure() -> dict[str, Any]:  # inside a task run, as the score stage submits
+        ms: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in runners}
+        for _ in range(rounds):
+            for label, cls in runners.items():
+                with cls() as runner, remote_options(num_cpus=rule.num_cpus, max_retries=0):
+                    for _ in range(3):  # warm: a Ray worker per CPU, imports
+                        runner.submit(rule_reward, params).result()
+                    for _ in range(n):
+                        t0 = time.perf_counter()
+                        future = runner.submit(rule_reward, params)
+                        t1 = time.perf_counter()
+                        future.result()
+                        ms[label]["sequential"].append(1000 * (time.perf_counter() - t0))
+                        ms[label]["submit"].append(1000 * (t1 - t0))
+                    t0 = time.perf_counter()
+                    futures = [runner.submit(rule_reward, params) for _ in range(n)]
+                    scores = [f.result() for f in futures]
+                    ms[label]["fan_out"].append(1000 * (time.perf_counter() - t0) / n)
+                    assert scores[0] == [1.0] * RULE_BATCH
+        ctx = serialize_context()
+        kept = ray.remote(num_cpus=0)(_noop)
+        pieces = {"driver_serialize_context": _timed(serialize_context, 10),
+                  "driver_settings_serialize": _timed(lambda: SettingsContext.get().serialize(), 10),
+                  "driver_ray_remote_wrap_and_export": _timed(
+                      lambda: ray.get(ray.remote(num_cpus=0)(_noop).remote(), timeout=60), 10)
+                  - _timed(lambda: ray.get(kept.remote(), timeout=60), 10)}
+        worker = ray.get(ray.remote(num_cpus=0, max_retries=0)(_micro_in_worker).remote(ctx, 10), timeout=300)
+        pieces.update({f"worker_{k}": v for k, v in worker.items()})
+        return {"tasks_per_round": n, "rounds": rounds, "batch_samples": RULE_BATCH,
+                "median_ms": {label: {k: median(v) for k, v in kinds.items()} for label, kinds in ms.items()},
+                "pieces_ms": {k: 1000 * v for k, v in pieces.items()}}
+
+    return measure()
+
+
+def _noop() -> int:
+    return 0
+
+
+def rule_task_report(r: dict[str, Any]) -> None:
+    print(f"\nrule-reward Prefect task on Ray ({r['batch_samples']}-sample batch), ms per task, medians over "
+          f"{r['rounds']} x {r['tasks_per_round']} tasks, the runners interleaved")
+    print(f"  {'runner':28s} {'one at a time':>13s} {'driver submit':>13s} {'fan-out':>8s}")
+    for label, m in r["median_ms"].items():
+        print(f"  {label:28s} {m['sequential']:13.1f} {m['submit']:13.1f} {m['fan_out']:8.1f}")
+    p = r["pieces_ms"]
+    print("  where prefect-ray's RayTaskRunner spends it (ms each; the warm runner does these once, not per task):")
+    rows = [("driver: serialize_context per submit", p["driver_serialize_context"]),
+            ("  of it, the settings' serialization", p["driver_settings_serialize"]),
+            ("driver: ray.remote() anew, function exported", p["driver_ray_remote_wrap_and_export"]),
+            ("worker: settings hydrated from the dump", p["worker_settings_context"]),
+            ("worker: + one API client (done twice a task)", p["worker_settings_context_and_get_client"]
+             - p["worker_settings_context"]),
+            ("  of it, the TLS context (certifi CA bundle)", p["worker_ssl_context_certifi"]),
+            ("worker: hydrated_context (settings + client + rest)", p["worker_hydrated_context"])]
+    for what, v in rows:
+        print(f"    {what:52s} {v:7.1f}")
+
+
+def rule_tasks_only(n: int) -> dict[str, Any]:
+    """The rule-task measurement alone: a local Ray and Prefect server, no actors."""
+    import ray
+    from prefect import flow
+
+    from chatlearn.config import load_config
+    from chatlearn.models.hf.reward import RuleRewardArgs
+    from chatlearn.models.rule import RuleSpec
+    from chatlearn.runtime.prefect_server import local_prefect_api
+
+    rule = RuleSpec.of(RuleRewardArgs.model_validate(load_config(None, []).models["reward"].args_dict))  # default's
+
+    @flow(name="bench-rule-tasks", validate_parameters=False)
+    def bench() -> dict[str, Any]:
+        return rule_task_costs(rule, n)
+
+    with local_prefect_api(announce=lambda m: print(m, file=sys.stderr)):
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)  # a Ray of its own, never a `ray start` cluster left running
+        try:
+            return bench()
+        finally:
+            ray.shutdown()
+
+
 # ---- py-spy: where the time goes ----
 
 PROFILE_RATE = 50
@@ -420,7 +539,8 @@ def profile_table(files: list[tuple[Path, str]], episodes: int, top: int = 30) -
     body_names = {"generate", "score", "train", "sync", "checkpoint", "evaluate", "rule_reward"}
 
     def is_body(frame: str) -> bool:
-        return frame.split(" (")[0] in body_names and "flows/stage_tasks.py" in frame
+        name, _, where = frame.partition(" (")
+        return name in body_names and ("flows/stage_tasks.py" in where or "flows/rule_tasks.py" in where)
 
     lines = [(line, kind) for path, kind in files for line in path.read_text().splitlines()]
     for line, kind in lines:
@@ -468,6 +588,10 @@ def main(argv: list[str]) -> dict:
                         help="then N more `prefect` episodes under py-spy (0: none)")
     parser.add_argument("--micro-reps", type=int, default=10, help="repetitions of each micro-measurement "
                         "(0: skip them)")
+    parser.add_argument("--rule-tasks", type=int, default=30, metavar="N", help="rule-reward tasks per runner and "
+                        "round in the rule-task measurement (0: skip it)")
+    parser.add_argument("--rule-tasks-only", action="store_true", help="only the rule-task measurement (no actors, "
+                        "no episodes); writes bench/results/rule_tasks.json")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     names = args.variant or list(VARIANTS)
@@ -482,6 +606,14 @@ def main(argv: list[str]) -> dict:
     for k, v in (("PREFECT_SERVER_ANALYTICS_ENABLED", "false"), ("RAY_AUTH_MODE", "disabled"),
                  ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")):  # as `chatlearn train` sets them
         os.environ.setdefault(k, v)
+
+    if args.rule_tasks_only:
+        rule = rule_tasks_only(args.rule_tasks or 30)
+        rule_task_report(rule)
+        path = REPO / "bench" / "results" / "rule_tasks.json"
+        path.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs", **rule}, indent=1))
+        print(f"wrote {path.relative_to(REPO)}")
+        return rule
 
     import cloudpickle
     import ray
@@ -566,6 +698,8 @@ def main(argv: list[str]) -> dict:
                 print(f"round {rnd + 1}/{args.rounds}: {line}", file=sys.stderr)
 
             pieces = micro(run, args.micro_reps) if args.micro_reps else None
+            rule = run.rule_rewards.get(run.plan.final)
+            rule_tasks = rule_task_costs(rule, args.rule_tasks) if rule is not None and args.rule_tasks else None
             profile = None
             if args.profile:
                 spies = start_samplers(out)
@@ -579,7 +713,8 @@ def main(argv: list[str]) -> dict:
                 profile["episodes"] = args.profile
                 profile["episode_seconds_under_profiler"] = prof_seconds / args.profile
                 profile["raw"] = [str(p) for p, _ in files]
-            return {"samples": samples, "calls": calls, "sizes": sizes, "profile": profile, "micro": pieces}
+            return {"samples": samples, "calls": calls, "sizes": sizes, "profile": profile, "micro": pieces,
+                    "rule_tasks": rule_tasks}
 
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
     started = init_ray(cfg, namespace, list(eng.modules))  # before the bench flow: its RayTaskRunner reuses it
@@ -608,7 +743,7 @@ def main(argv: list[str]) -> dict:
         "rounds": args.rounds, "overrides": args.overrides, "machine": f"{os.cpu_count()} CPUs",
         "variants": {n: {"what": VARIANTS[n], **result[n]} for n in names}, "split": split,
         "sizes": data["sizes"], "result_files_persisted": persisted, "micro": data["micro"],
-        "profile": data["profile"],
+        "profile": data["profile"], "rule_tasks": data["rule_tasks"],
         "samples": samples}, indent=1, default=str))
     print(f"wrote {path.relative_to(REPO)}")
     return result
@@ -643,14 +778,15 @@ def report(result: dict, split: dict, data: dict, persisted: int, args: Any) -> 
         print(f"  rule-reward tasks per episode {s['rule_reward_tasks']:.0f}, "
               f"each Running {_f(s['rule_reward_running'])}")
     print("(wait: upstream task's end -> this task Running: Ray dispatch + Prefect's task engine start; inside: "
-          "Running window minus the body; body-dir: the body's seconds minus direct's, e.g. score's rule-reward "
-          "fan-out as Prefect tasks vs plain Ray tasks)")
+          "Running window minus the body; body-dir: the body's seconds minus direct's)")
     print(f"\nRunHandle: {data['sizes']['run_handle_json_bytes']} bytes as JSON, "
           f"{data['sizes']['run_handle_pickle_bytes']} pickled; result files persisted: {persisted}")
     if data.get("micro"):
         print("\nthe pieces, medians (ms): per call, inside the bench flow; worker_*: in an idle Ray task worker")
         for k, v in data["micro"].items():
             print(f"  {k:44s} {v if k.endswith('bytes') else 1000 * v:9.1f}")
+    if data.get("rule_tasks"):
+        rule_task_report(data["rule_tasks"])
     prof = data.get("profile")
     if prof and "totals_seconds_per_episode" in prof:
         print(f"\npy-spy over {prof['episodes']} prefect episodes ({prof['episode_seconds_under_profiler']:.2f} "

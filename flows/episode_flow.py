@@ -4,7 +4,9 @@ The six stage tasks only dispatch to the model actors, which hold the real resou
 so the tasks themselves run on a `ThreadPoolTaskRunner` in the train flow's process (the Ray driver). As
 Prefect tasks on `RayTaskRunner` each one cost 0.10-0.18 s before its body ran (a Ray worker building
 Prefect's API client and settings per task; `bench/overhead.py`), about 1 s an episode, against about 10 ms in
-a thread. Stateless CPU work of an episode (rule rewards) is fanned out as Ray tasks with its own CPUs.
+a thread. Stateless work of an episode (rule rewards) is fanned out as Prefect tasks on Ray with its own
+CPUs, on a runner that keeps Prefect's settings and client per Ray worker (`flows/ray_tasks.py`, about 12 ms a
+task).
 """
 
 from typing import Any
