@@ -309,6 +309,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         initial_eval = evaluate(run, -1, trained={"iteration": 0})["metrics"]["eval_reward_mean"]
         print(f"eval before training: eval_reward_mean={initial_eval:.4g}")
     released_before = _released_bytes(groups, run.stage_timeout_s)
+    hosts = [h for g in groups.values() for h in g.actors]  # every rank of every model: ChatLearn's episode hooks
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
@@ -317,8 +318,10 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             # no heartbeat thread of the episode's own: a sync subflow joins it on exit, and it sleeps in 1 s
             # steps (up to 1 s an episode, ../shared/reference/prefect_ray.md); the train flow's heartbeat still
             # tells Prefect the run is alive
+            wait([h.before_episode.remote() for h in hosts], "before_episode", run.stage_timeout_s)
             with instruments.episode(episode), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                 metrics = episode_flow(run, episode, consumed, iteration)
+            wait([h.after_episode.remote() for h in hosts], "after_episode", run.stage_timeout_s)
             consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
             if initial_eval is not None and episode == 0:
                 metrics["eval_reward_mean_before_training"] = initial_eval

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 import pytest
 import torch
 
+from chatlearn.models.hf.reward import RuleReward
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -178,6 +179,20 @@ def live_actor_names(namespace):
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
 
 
+class HookedReward(RuleReward):
+    """A rule reward whose ChatLearn episode hooks append to run_dir/hooks.log (they run in its worker)."""
+
+    def before_episode(self):
+        self._note("before")
+
+    def after_episode(self):
+        self._note("after")
+
+    def _note(self, what):
+        with open(os.path.join(self.runtime_args.run_dir, "hooks.log"), "a") as f:
+            f.write(what + "\n")
+
+
 def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, tiny_model_dir, tmp_path,
                                                     monkeypatch):
     import chatlearn
@@ -185,13 +200,12 @@ def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, ti
     from chatlearn.models.hf.policy import PolicyInference
     from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer, PPOValueTrainer
     from chatlearn.models.hf.reference import ReferenceModel
-    from chatlearn.models.hf.reward import RuleReward
     from chatlearn.models.hf.value import ValueModel
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
     chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine", "runtime.save_episode_interval=1"))
-    engine = chatlearn.RLHFEngine(PolicyInference("policy"), ReferenceModel("reference"), RuleReward("reward"),
+    engine = chatlearn.RLHFEngine(PolicyInference("policy"), ReferenceModel("reference"), HookedReward("reward"),
                                   ValueModel("value"), PPOPolicyTrainer("ppo_policy"), PPOValueTrainer("ppo_value"))
     import chatlearn.runtime.prepared as prepared
 
@@ -204,6 +218,8 @@ def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, ti
     assert len(runs) == 1 and type(runs[0]["ppo_policy"]) is PPOPolicyTrainer
     assert reads == ["rlhf"]
     assert result["episode"] == 0 and result["train_steps"] == 1
+    # ChatLearn's episode hooks ran around the one episode
+    assert (tmp_path / "engine" / "hooks.log").read_text().split() == ["before", "after"]
     rows = (tmp_path / "engine" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1 and "eval_reward_mean" not in json.loads(rows[0])
     # save_episode_interval=1: both trainers saved at trainer iteration 1

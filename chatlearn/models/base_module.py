@@ -119,10 +119,11 @@ class BaseModule:
         """Restore the state saved by `save_checkpoint(iteration)`."""
 
     def before_episode(self) -> None:
-        """Hook run at the start of each episode."""
+        """Hook run on every rank of every model before each episode (before generation)."""
 
     def after_episode(self) -> None:
-        """Hook run at the end of each episode."""
+        """Hook run on every rank of every model after each episode (after its checkpoint and eval, as in
+        ChatLearn HEAD; v1.0.2 ran it before them)."""
 
     def peak_memory(self) -> float:
         """Peak memory of this process in MiB (GPU when the model is on one)."""

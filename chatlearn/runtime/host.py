@@ -152,8 +152,17 @@ class ModelHost:
     def load_checkpoint(self, iteration: int) -> None:
         self.module.load_checkpoint(iteration)
 
+    # ChatLearn's episode hooks; no memory handover around them: a colocated model's offloaded parts stay put
+    @resident()
+    def before_episode(self) -> None:
+        self.module.before_episode()
+
+    @resident()
+    def after_episode(self) -> None:
+        self.module.after_episode()
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call any other public method of the module (e.g. `export_hf`, `before_episode`)."""
+        """Call any other public method of the module (e.g. `export_hf`, `info`)."""
         if method.startswith("_"):
             raise AttributeError(f"refusing to call private method {method!r}")
         return getattr(self.module, method)(*[_resolve(a) for a in args], **kwargs)
