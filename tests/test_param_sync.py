@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import Replicate, Shard
 
 from chatlearn.runtime.param_sync import broadcast_tensors, plan_buckets, specs_of
 
@@ -111,3 +112,89 @@ def test_a_tied_tensor_is_sent_once_and_the_receiver_stays_tied():
         result = dict(out)
     assert result["equal"] and result["tied"]
     assert result["stats"]["bytes"] == (40 * 16 + 16) * 4 and result["stats"]["collectives"] == 2
+
+
+# Three processes, as a run lays them out: p0 hosts the trainer (plain tensors) and, colocated, rank 0 of a TP 2
+# inference replica; p1 is that replica's rank 1; p2 is a second replica in one process, one target strided.
+# Buckets of 2 KiB: several staged f32 buckets (the two slots reused), a bf16 one between, and the 2.5 KiB
+# embedding and head larger than a bucket (alone, unstaged).
+TP_SHAPES = {"embed": ((40, 16), torch.float32, Shard(0)), "head": ((40, 16), torch.float32, Shard(0)),
+             **{f"l{i}.{k}": v for i in range(5) for k, v in {
+                 "q": ((8, 16), torch.float32, Shard(0)), "o": ((16, 8), torch.float32, Shard(1)),
+                 "norm": ((16,), torch.float32, Replicate())}.items()},
+             "bias": ((8, 4), torch.bfloat16, Shard(0)), "last": ((4, 4), torch.float32, Replicate())}
+TP_MAX_BYTES = 4096  # buckets of half that
+
+
+def tp_sources() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return {n: torch.randn(shape, generator=g).to(dtype) for n, (shape, dtype, _) in TP_SHAPES.items()}
+
+
+def _tp_worker(rank: int, ports: tuple[int, int], out: dict) -> None:
+    import datetime
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from chatlearn.models.parallel import full_tensor
+    from chatlearn.runtime.param_sync import Staging, SyncGroup, transfer
+
+    torch.set_num_threads(1)
+    if rank < 2:  # the TP replica's own world: p0 and p1
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+        mesh = init_device_mesh("cpu", (2,))
+        targets = {n: distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, [p], src_data_rank=None)
+                   for n, (shape, dtype, p) in TP_SHAPES.items()}
+    else:
+        targets = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype, _) in TP_SHAPES.items()}
+        targets["head"] = torch.zeros(16, 40).t()  # strided: received into a temporary buffer, then copied
+    sources = tp_sources() if rank == 0 else None
+    group = SyncGroup.join("test", "127.0.0.1", ports[1], rank, 3, ["trainer+tp0", "tp1", "replica2"], 60.0)
+    specs = specs_of(tp_sources())
+    local = {n: (t.to_local() if rank < 2 else t) for n, t in targets.items()}
+    storage = {n: t.data_ptr() for n, t in local.items()}
+    staging = Staging()  # kept from one sync to the next, as a run does
+    try:
+        for comm in ("broadcast", "p2p"):
+            for t in local.values():
+                t.zero_()
+            stats = transfer(specs, group=group, sources=sources, targets=targets,
+                             comm=comm, max_bytes=TP_MAX_BYTES, debug=True, staging=staging)
+            whole = {n: full_tensor(t) for n, t in targets.items()}  # p0 and p1 gather together
+            out[f"{comm}{rank}"] = {
+                "equal": all(torch.equal(whole[n], t) for n, t in tp_sources().items()),
+                "in_place": all(t.data_ptr() == storage[n] for n, t in local.items()),
+                "stats": stats}
+    finally:
+        group.close()
+        if rank < 2:
+            dist.destroy_process_group()
+
+
+def test_sender_and_receivers_with_buckets_tp_slices_and_a_colocated_rank_are_bit_exact():
+    """Bit for bit into every receiver, by broadcast and by p2p, in place; with ``debug`` every receiver's
+    digests, the colocated one's too, equal the trainer's (a colocated TP rank once skipped its digests, and
+    its TP peer waited for it in ``full_tensor``: the debug hang)."""
+    sizes = {n: t.numel() * t.element_size() for n, t in tp_sources().items()}
+    specs = specs_of(tp_sources())
+    plan = plan_buckets(specs, TP_MAX_BYTES // 2)
+    assert sum(len(b) > 1 for b in plan) >= 3 and sizes["embed"] > TP_MAX_BYTES // 2
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ports = (a.getsockname()[1], b.getsockname()[1])
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_tp_worker, args=(ports, out), nprocs=3, join=True)
+        result = dict(out)
+    for comm in ("broadcast", "p2p"):
+        trainer = result[f"{comm}0"]["stats"]["trainer_digests"]
+        assert set(trainer) == set(TP_SHAPES)
+        for rank in range(3):
+            got = result[f"{comm}{rank}"]
+            assert got["equal"] and got["in_place"], (comm, rank)
+            assert got["stats"]["receiver_digests"] == trainer, (comm, rank)
+            assert got["stats"]["collectives"] == len(plan)
+            assert 0 < got["stats"]["staging_bytes"] <= TP_MAX_BYTES
