@@ -175,9 +175,9 @@ class SyncGroup:
 
 class Staging:
     """The bucket buffers of one route, kept by the caller from sync to sync (a fresh buffer costs its page
-    faults every sync). A slot is ``(dtype, 0 or 1)``: two buffers per dtype of half a bucket each, so one is
-    packed (or unpacked) while the other is on the wire, and together they stay within ``max_bytes``. A tensor
-    larger than a bucket never enters one: it travels alone, unstaged."""
+    faults every sync). A slot is ``(dtype, 0 or 1)``: two buffers per dtype, each holding one bucket of at
+    most half ``max_bytes``, so one is packed (or unpacked) while the other is on the wire, and together they
+    stay within ``max_bytes``. A tensor larger than a bucket never enters one: it travels alone, unstaged."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
@@ -219,14 +219,16 @@ class _Wire:
                 then()
         self.pending = keep
 
-    def stage(self, dtype: torch.dtype, numel: int, device: torch.device) -> tuple[Any, torch.Tensor]:
-        """A staging buffer for the next bucket: the slot the bucket before last used, once that has left it."""
-        slot = (dtype, self.buckets % 2)
+    def stage(self, specs: list[TensorSpec], device: torch.device) -> tuple[Any, torch.Tensor, list[int]]:
+        """(slot, buffer, each tensor's numel) for the next bucket, of the tensors ``specs``: the slot the
+        bucket before last used, once that has left it."""
+        sizes = [_numel(s) for s in specs]
+        slot = (specs[0][2], self.buckets % 2)
         self.buckets += 1
         self.settle(slot)
-        flat = self.staging.buffer(slot, numel, device)
+        flat = self.staging.buffer(slot, sum(sizes), device)
         self.largest = max(self.largest, self.staging.nbytes)
-        return slot, flat
+        return slot, flat, sizes
 
 
 class Sender:
@@ -255,8 +257,7 @@ class Sender:
             if len(bucket) == 1:
                 wire.post(fulls[0].contiguous())
                 continue
-            sizes = [_numel(specs[i]) for i in bucket]
-            slot, flat = wire.stage(specs[bucket[0]][2], sum(sizes), fulls[0].device)
+            slot, flat, sizes = wire.stage([specs[i] for i in bucket], fulls[0].device)
             offset = 0
             for full, n in zip(fulls, sizes, strict=True):
                 flat[offset: offset + n].copy_(full.reshape(-1))
@@ -285,9 +286,9 @@ class Receiver:
         unstaged = 0  # bytes of temporary receive buffers in flight
         for bucket in plan:
             if len(bucket) > 1:
-                sizes = [_numel(specs[i]) for i in bucket]
-                slot, flat = wire.stage(specs[bucket[0]][2], sum(sizes), self.targets[specs[bucket[0]][0]].device)
-                wire.post(flat, slot, partial(self._unpack, flat, [specs[i] for i in bucket], sizes))
+                staged = [specs[i] for i in bucket]
+                slot, flat, sizes = wire.stage(staged, self.targets[staged[0][0]].device)
+                wire.post(flat, slot, partial(self._unpack, flat, staged, sizes))
                 continue
             spec = specs[bucket[0]]
             name, shape, dtype = spec
