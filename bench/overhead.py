@@ -611,7 +611,9 @@ def main(argv: list[str]) -> dict:
         rule = rule_tasks_only(args.rule_tasks or 30)
         rule_task_report(rule)
         path = REPO / "bench" / "results" / "rule_tasks.json"
-        path.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs", **rule}, indent=1))
+        load = os.getloadavg()  # other work on the machine inflates every number here
+        print(f"load average over 1/5/15 min: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+        path.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs", "load_average": load, **rule}, indent=1))
         print(f"wrote {path.relative_to(REPO)}")
         return rule
 
@@ -717,9 +719,11 @@ def main(argv: list[str]) -> dict:
                     "rule_tasks": rule_tasks}
 
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
-    started = init_ray(cfg, namespace, list(eng.modules))  # before the bench flow: its RayTaskRunner reuses it
-    try:
-        with local_prefect_api(announce=lambda m: print(m, file=sys.stderr)):
+    # the API first: Ray's workers inherit its URL (the ray-only variant's score stage, in a worker, submits
+    # rule-reward Prefect tasks too); Ray before the bench flow: its RayTaskRunner reuses it
+    with local_prefect_api(announce=lambda m: print(m, file=sys.stderr)):
+        started = init_ray(cfg, namespace, list(eng.modules))
+        try:
             data = bench_flow()
             time.sleep(3.0)  # the server records task runs from events
             splits: dict[str, list[dict]] = {}
@@ -728,9 +732,9 @@ def main(argv: list[str]) -> dict:
                     if name in names:
                         splits[name] = [task_split(client, c[2], (c[0], c[1]), s["stages"])
                                         for c, s in zip(data["calls"][name], data["samples"][name], strict=True)]
-    finally:
-        if started:
-            ray.shutdown()
+        finally:
+            if started:
+                ray.shutdown()
 
     samples = data["samples"]
     result = summarize(samples, rt.eval_episode_interval)
