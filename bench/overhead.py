@@ -355,7 +355,7 @@ def rule_task_costs(rule: Any, n: int, rounds: int = 3) -> dict[str, Any]:
     from prefect_ray import RayTaskRunner
     from prefect_ray.context import remote_options
 
-    from chatlearn.runtime.handles import RefBox
+    from chatlearn.runtime.calls.handles import RefBox
     from flows.ray_tasks import WarmRayTaskRunner
     from flows.rule_tasks import rule_reward
 
@@ -432,7 +432,7 @@ def rule_tasks_only(n: int) -> dict[str, Any]:
     from chatlearn.config import load_config
     from chatlearn.models.hf.reward import RuleRewardArgs
     from chatlearn.models.rule import RuleSpec
-    from chatlearn.runtime.prefect_server import local_prefect_api
+    from chatlearn.runtime.records.prefect_server import local_prefect_api
 
     rule = RuleSpec.of(RuleRewardArgs.model_validate(load_config(None, []).models["reward"].args_dict))  # default's
 
@@ -626,10 +626,10 @@ def main(argv: list[str]) -> dict:
 
     from chatlearn.checkpoint.resume import data_checkpoint_dir
     from chatlearn.config import load_config
-    from chatlearn.runtime.launch import init_ray, launch
-    from chatlearn.runtime.prefect_server import local_prefect_api
+    from chatlearn.runtime.cluster.launch import init_ray, launch
     from chatlearn.runtime.prepared import prepare_run
-    from chatlearn.runtime.sync import sync_routes
+    from chatlearn.runtime.records.prefect_server import local_prefect_api
+    from chatlearn.runtime.weights.sync import sync_routes
     from flows.episode_flow import episode_flow
 
     cfg = load_config(None, [f"runtime.output_dir={out}", "runtime.exp_name=overhead", *args.overrides])

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from chatlearn.runtime.param_sync import Staging, SyncGroup, digest, specs_of, transfer  # noqa: E402
+from chatlearn.runtime.weights.param_sync import Staging, SyncGroup, digest, specs_of, transfer  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "param_sync.json"
 METHODS = [  # name, comm, coalesce, bucket MiB

@@ -31,11 +31,11 @@ from chatlearn.config import ChatLearnConfig, ConfigError, ConfigWarning, Engine
 from chatlearn.config.engine_checks import engine_name
 from chatlearn.config.engines import ENGINES
 from chatlearn.data.prompts import DataError
-from chatlearn.runtime.console import run_log
-from chatlearn.runtime.dlc import DLCNode, dlc_head, dlc_node, serve_as_worker
-from chatlearn.runtime.placement import PlacementError, plan_placement, uniform_cluster
-from chatlearn.runtime.run_lock import lock_run_dir
-from chatlearn.runtime.stopping import stop_signal, stopping
+from chatlearn.runtime.calls.stopping import stop_signal, stopping
+from chatlearn.runtime.cluster.dlc import DLCNode, dlc_head, dlc_node, serve_as_worker
+from chatlearn.runtime.cluster.placement import PlacementError, plan_placement, uniform_cluster
+from chatlearn.runtime.records.console import run_log
+from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.utils.devices import fake_gpus
 from chatlearn.utils.errors import UserError, find_user_error
 
@@ -94,12 +94,12 @@ def _announce(msg: str) -> None:
 
 def cmd_eval(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
+    from chatlearn.runtime.calls.stopping import stop_on_signals
+    from chatlearn.runtime.cluster.launch import check_local_placement
     from chatlearn.runtime.engine import engine_of
-    from chatlearn.runtime.launch import check_local_placement
     from chatlearn.runtime.plan import resolve_engine
-    from chatlearn.runtime.prefect_server import local_prefect_api
     from chatlearn.runtime.prepared import prepare_run
-    from chatlearn.runtime.stopping import stop_on_signals
+    from chatlearn.runtime.records.prefect_server import local_prefect_api
 
     cfg = _load(items, engine="eval")
     resolved = resolve_engine(cfg, engine="eval")
@@ -117,12 +117,12 @@ def cmd_eval(items: list[str]) -> int:
 def cmd_train(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
     from chatlearn.checkpoint.resume import checkpoint_dirs
+    from chatlearn.runtime.calls.stopping import stop_on_signals
+    from chatlearn.runtime.cluster.launch import check_local_placement
     from chatlearn.runtime.engine import engine_of
-    from chatlearn.runtime.launch import check_local_placement
     from chatlearn.runtime.plan import resolve_engine
-    from chatlearn.runtime.prefect_server import local_prefect_api
     from chatlearn.runtime.prepared import prepare_run
-    from chatlearn.runtime.stopping import stop_on_signals
+    from chatlearn.runtime.records.prefect_server import local_prefect_api
 
     cfg = _load(items)
     node = dlc_node(cfg.runtime_env.platform)
@@ -145,7 +145,7 @@ def cmd_train(items: list[str]) -> int:
     # one run per run directory, taken before the Prefect server starts (the train flow re-enters it in this
     # process); the run and checkpoint directories are checked writable here too
     # run_log: the run's log file; a RunError's tracebacks go there, not to the terminal
-    # stop_on_signals: SIGTERM / Ctrl-C stop within seconds and leave the Prefect server (chatlearn.runtime.stopping)
+    # stop_on_signals: SIGTERM / Ctrl-C stop within seconds and leave the Prefect server (runtime.calls.stopping)
     with stop_on_signals(), lock_run_dir(cfg.runtime.run_dir, checkpoint_dirs(cfg)), run_log(cfg.runtime.run_dir), \
             _dlc_head(node), local_prefect_api(announce=_announce):
         result = engine_of(prepared.engine).learn(prepared)
@@ -156,7 +156,8 @@ def cmd_train(items: list[str]) -> int:
 
 
 def cmd_server() -> int:
-    from chatlearn.runtime.prefect_server import serve_forever  # lazy: Prefect loads only when a command needs it
+    # lazy: Prefect loads only when a command needs it
+    from chatlearn.runtime.records.prefect_server import serve_forever
 
     serve_forever(announce=_announce)
     return 0
@@ -173,7 +174,7 @@ def cmd_deploy(items: list[str], how: str, name: str | None, cron: str | None, o
         _load(items, engine="eval")  # the eval deployment's checks too, before anything is registered
     # lazy: Prefect loads only for the commands that run something (the command sits above flows/, see
     # tests/test_layers.py)
-    from chatlearn.runtime.prefect_server import local_prefect_api
+    from chatlearn.runtime.records.prefect_server import local_prefect_api
     from flows import deployments
 
     spec = deployments.deployment_spec(cfg)
@@ -219,7 +220,7 @@ def _config_warnings_as_lines(previous: Callable[..., None]) -> Callable[..., No
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # Ray's token authentication: a local run turns it on (chatlearn.runtime.launch.loopback_only); joining
+    # Ray's token authentication: a local run turns it on (chatlearn.runtime.cluster.launch.loopback_only); joining
     # RAY_ADDRESS follows the cluster (RAY_AUTH_MODE / RAY_AUTH_TOKEN as the user set them, README)
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     previous = warnings.showwarning
@@ -317,7 +318,7 @@ def _main(argv: list[str] | None) -> int:
         if ns.command == "train" and ns.resume_with_changes:
             ns.args = [*ns.args, "runtime.resume_with_changes=true"]
         return {"train": cmd_train, "eval": cmd_eval}[ns.command](ns.args)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (chatlearn.runtime.stopping.Stopped)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (chatlearn.runtime.calls.stopping.Stopped)
         return _stopped(getattr(exc, "signame", "SIGINT"))
     except Exception as exc:
         if stopping():  # what a stop looked like on its way out (an actor killed for it, Prefect's wrapper)
@@ -325,7 +326,7 @@ def _main(argv: list[str] | None) -> int:
         # an error meant for the user (a config, data, a placement, a user hook, a NaN, a write that failed, a
         # run directory in use), itself or inside Ray's RayTaskError (whose own str() is the remote traceback)
         # or an exception chain, whichever layer raised it: its lines without a traceback (that is in
-        # run_dir/chatlearn.log, chatlearn.runtime.console); anything else is a bug of ours and keeps its
+        # run_dir/chatlearn.log, chatlearn.runtime.records.console); anything else is a bug of ours and keeps its
         # traceback
         err = find_user_error(exc)
         if err is None:

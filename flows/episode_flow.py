@@ -15,8 +15,8 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from chatlearn.runtime.handles import RunHandle
-from chatlearn.runtime.recovery import kill_point
+from chatlearn.runtime.calls.handles import RunHandle
+from chatlearn.runtime.calls.recovery import kill_point
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
 from flows.stage_tasks import checkpoint, evaluate, generate, score, sync, train

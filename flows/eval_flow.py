@@ -18,7 +18,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
 from chatlearn.config import EngineChecks
-from chatlearn.runtime.launch import launch
+from chatlearn.runtime.cluster.launch import launch
 from chatlearn.runtime.prepared import handed_down, prepare_run
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate

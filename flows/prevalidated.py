@@ -8,7 +8,7 @@ Deployment runs skip `__call__`: Prefect validates the parameter against the con
 then in the flow run), and the flow body prepares the run before any actor exists.
 
 A direct call with no Prefect API configured runs against the shared local server that `chatlearn train`
-uses (`chatlearn.runtime.prefect_server.local_prefect_api`, announced on stderr), not in Prefect's
+uses (`chatlearn.runtime.records.prefect_server.local_prefect_api`, announced on stderr), not in Prefect's
 ephemeral mode: that temporary API is gone when the call returns (the UI never shows the run) and is broken
 with Ray (every worker starts its own). Inside a flow run (a subflow, or a deployment run executed by a
 worker) the call changes nothing: its runs belong with the parent's, on the parent's API.
@@ -25,8 +25,8 @@ from prefect.context import FlowRunContext, TaskRunContext
 from pydantic import BeforeValidator
 
 from chatlearn.config import ChatLearnConfig, ConfigCheck, ConfigError, EngineChecks, load_config
-from chatlearn.runtime.prefect_server import local_prefect_api
 from chatlearn.runtime.prepared import PreparedRun, handing_down, prepare_run
+from chatlearn.runtime.records.prefect_server import local_prefect_api
 
 
 def _load_if_not_config(value: Any) -> Any:

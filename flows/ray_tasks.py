@@ -133,7 +133,7 @@ def ray_task_runner() -> WarmRayTaskRunner:
 
     One per process rather than one per flow: the stage tasks that submit to it run in the episode's thread
     pool, whose flow context holds that pool, not a Ray runner. It joins the Ray the run's driver already
-    joined (`chatlearn.runtime.launch`) and holds nothing of its own (prefect-ray only shuts down a Ray it
+    joined (`chatlearn.runtime.cluster.launch`) and holds nothing of its own (prefect-ray only shuts down a Ray it
     started), so it is never stopped.
     """
     with _LOCK:

@@ -16,8 +16,8 @@ from prefect_ray.context import remote_options
 from prefect_ray.task_runners import PrefectRayFuture
 
 from chatlearn.models.rule import RuleSpec
-from chatlearn.runtime.handles import RefBox, RunHandle
-from chatlearn.runtime.waiting import StageClock
+from chatlearn.runtime.calls.handles import RefBox, RunHandle
+from chatlearn.runtime.calls.waiting import StageClock
 from flows.ray_tasks import ray_task_runner
 
 

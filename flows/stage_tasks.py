@@ -22,12 +22,12 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
-from chatlearn.runtime.evaluation import eval_metrics, eval_results
-from chatlearn.runtime.handles import RefBox, RunHandle
-from chatlearn.runtime.reporting import artifact_key
+from chatlearn.runtime.calls.handles import RefBox, RunHandle
+from chatlearn.runtime.calls.waiting import StageClock
+from chatlearn.runtime.records.evaluation import eval_metrics, eval_results
+from chatlearn.runtime.records.reporting import artifact_key
 from chatlearn.runtime.schedule import checkpoint_due, every
-from chatlearn.runtime.sync import sync_routes
-from chatlearn.runtime.waiting import StageClock
+from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.utils.errors import RunError, find_run_error
 from chatlearn.utils.storage import writing
 from flows.rule_tasks import fan_out_rule
@@ -162,7 +162,7 @@ def sync(run: RunHandle, episode: int, trained: dict | None = None) -> dict[str,
     """Copy each trainer's weights into its inference model (every `sync_frequency` episodes).
 
     Weights go over the routes planned at launch (collective groups, or the object store for modules with
-    their own get/set_weights; see `chatlearn.runtime.sync`); nothing passes through Prefect. `trained` is
+    their own get/set_weights; see `chatlearn.runtime.weights.sync`); nothing passes through Prefect. `trained` is
     only there to order sync after train in the task graph.
     """
     t0 = time.perf_counter()

@@ -36,20 +36,20 @@ from chatlearn.checkpoint.resume import (
 from chatlearn.checkpoint.run_config import inspect_run_dir, record_progress, record_start
 from chatlearn.config import ChatLearnConfig, EngineChecks
 from chatlearn.models.parallel import ParallelDims
-from chatlearn.runtime.handles import RunHandle
-from chatlearn.runtime.launch import launch
-from chatlearn.runtime.model_group import ModelGroup
-from chatlearn.runtime.placement import PlacementError, table_text
+from chatlearn.runtime.calls.handles import RunHandle
+from chatlearn.runtime.calls.recovery import ProcessLost, alive_node_ids, process_loss
+from chatlearn.runtime.calls.stopping import Stopped, stop_signal, stopping
+from chatlearn.runtime.calls.waiting import wait
+from chatlearn.runtime.cluster.launch import launch
+from chatlearn.runtime.cluster.model_group import ModelGroup
+from chatlearn.runtime.cluster.placement import PlacementError, table_text
 from chatlearn.runtime.plan import ResolvedEngine
 from chatlearn.runtime.prepared import PreparedRun, handed_down, prepare_run
-from chatlearn.runtime.profiling import EpisodeInstruments
-from chatlearn.runtime.recovery import ProcessLost, alive_node_ids, process_loss
-from chatlearn.runtime.reporting import EpisodeReporter, RunArtifacts, artifact_key, json_safe
-from chatlearn.runtime.run_lock import lock_run_dir
-from chatlearn.runtime.run_record import claim_run_dir
-from chatlearn.runtime.stopping import Stopped, stop_signal, stopping
-from chatlearn.runtime.sync import sync_routes
-from chatlearn.runtime.waiting import wait
+from chatlearn.runtime.records.profiling import EpisodeInstruments
+from chatlearn.runtime.records.reporting import EpisodeReporter, RunArtifacts, artifact_key, json_safe
+from chatlearn.runtime.records.run_lock import lock_run_dir
+from chatlearn.runtime.records.run_record import claim_run_dir
+from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.faults import crash_point
 from chatlearn.utils.storage import writing
@@ -105,7 +105,7 @@ def _train_locked(prepared: PreparedRun, run_dir: Path, t_start: float) -> dict:
 
     A model process that dies (killed, out of memory, its node lost) does not end the run: the remaining
     actors are torn down, a fresh set is started, and the run resumes from its last checkpoint as a re-run
-    would (exact), at most `runtime.max_restarts` times (`chatlearn.runtime.recovery`).
+    would (exact), at most `runtime.max_restarts` times (`chatlearn.runtime.calls.recovery`).
     """
     cfg = prepared.cfg
     # complete, a continuation, refused (a config that changes results: RunDirConflict) or started over

@@ -23,7 +23,7 @@ FAULT_VARIABLES = ("CHATLEARN_CRASH_AT", "CHATLEARN_FAULT_AT", "CHATLEARN_KILL_A
 def chatlearn_train(args, out, tiny_model_dir, timeout: float = 600, cwd: str | None = None, **variables):
     """A real `chatlearn train ARGS` process writing under ``out``, on the session's Prefect API (use with the
     ``prefect_api`` fixture), with the fault-injection variables (chatlearn/utils/faults.py,
-    chatlearn/runtime/recovery.py) cleared unless given in ``variables``. From the repository root, or with
+    chatlearn/runtime/calls/recovery.py) cleared unless given in ``variables``. From the repository root, or with
     ``cwd`` the installed console script run there, as a user runs it (``python -m`` would put ``cwd`` on
     ``sys.path`` and hide whether user code resolves without it)."""
     import subprocess

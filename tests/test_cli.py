@@ -153,7 +153,7 @@ def test_train_refuses_a_layout_this_machine_cannot_hold_in_one_line_before_anyt
                                                                                              monkeypatch):
     """A local run knows the machine's devices (here 2 declared GPUs): the plan is checked before the Prefect
     server, Ray or the run directory exist, and the terminal shows the one line."""
-    import chatlearn.runtime.prefect_server as prefect_server
+    import chatlearn.runtime.records.prefect_server as prefect_server
 
     def started(*args, **kwargs):
         raise AssertionError("the Prefect server was started")

@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from chatlearn.config import ConfigWarning
-from chatlearn.runtime.dlc import DLCNode, dlc_node
+from chatlearn.runtime.cluster.dlc import DLCNode, dlc_node
 from tests.conftest import REPO
 
 

@@ -163,9 +163,9 @@ def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_ap
     import ray
 
     from chatlearn.models.rule import RuleSpec
-    from chatlearn.runtime.handles import RunHandle
+    from chatlearn.runtime.calls.handles import RunHandle
+    from chatlearn.runtime.calls.waiting import StageClock
     from chatlearn.runtime.plan import EpisodePlan
-    from chatlearn.runtime.waiting import StageClock
     from flows.rule_tasks import fan_out_rule
 
     fn = "chatlearn.tasks.max_digit:max_digit_reward"

@@ -161,11 +161,11 @@ def test_the_layer_test_sees_a_new_upward_import(tmp_path, monkeypatch):
     # the checker itself: a data module importing the runtime is reported
     bad = tmp_path / "chatlearn" / "data"
     bad.mkdir(parents=True)
-    (bad / "oops.py").write_text("from chatlearn.runtime.launch import launch\n")
-    files = {"chatlearn.data.oops": str(bad / "oops.py"), "chatlearn.runtime.launch": ""}
+    (bad / "oops.py").write_text("from chatlearn.runtime.cluster.launch import launch\n")
+    files = {"chatlearn.data.oops": str(bad / "oops.py"), "chatlearn.runtime.cluster.launch": ""}
     found = [name for name, _, _ in imports(files["chatlearn.data.oops"], set(files))]
-    assert found == ["chatlearn.runtime.launch"]
-    assert layer_of("chatlearn.runtime.launch") > layer_of("chatlearn.data.oops")
+    assert found == ["chatlearn.runtime.cluster.launch"]
+    assert layer_of("chatlearn.runtime.cluster.launch") > layer_of("chatlearn.data.oops")
 
 
 def test_stage_tasks_and_the_episode_take_a_run_handle_not_the_config():
@@ -184,7 +184,7 @@ def test_stage_tasks_and_the_episode_take_a_run_handle_not_the_config():
 
 # Files whose `ray.get` runs inside a Ray actor, not the driver: they resolve an upstream ref the driver is
 # already waiting on through its stage clock, which cancels the call past the stage's deadline.
-IN_ACTORS = {"chatlearn/runtime/host.py", "chatlearn/runtime/stream_dataset.py"}
+IN_ACTORS = {"chatlearn/runtime/cluster/host.py", "chatlearn/runtime/cluster/stream_dataset.py"}
 
 
 def deadline_free_gets(path: str) -> list[int]:
@@ -197,7 +197,7 @@ def deadline_free_gets(path: str) -> list[int]:
 
 
 def test_the_driver_never_waits_without_a_deadline(tmp_path):
-    # one way to wait: chatlearn.runtime.waiting (deadline + stop check); anything else names its timeout
+    # one way to wait: chatlearn.runtime.calls.waiting (deadline + stop check); anything else names its timeout
     found = [f"{os.path.relpath(p, REPO)}:{line}" for p in module_files().values()
              if os.path.relpath(p, REPO) not in IN_ACTORS for line in deadline_free_gets(p)]
     assert found == []

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from chatlearn.config import ModelConfig, load_config
 from chatlearn.config.model import ReplicaLayout
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.model_group import cluster_nodes, setup_models, start_workers
-from chatlearn.runtime.placement import plan_placement
+from chatlearn.runtime.cluster.model_group import cluster_nodes, setup_models, start_workers
+from chatlearn.runtime.cluster.placement import plan_placement
 
 pytestmark = pytest.mark.integration
 

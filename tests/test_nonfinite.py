@@ -21,7 +21,7 @@ from chatlearn.models.hf.reward import RuleReward
 from chatlearn.models.hf.trainer import optimizer_step
 from chatlearn.models.rule import RewardError, hook_name, score_samples
 from chatlearn.models.torch_module import TorchModule
-from chatlearn.runtime.reporting import EpisodeReporter, json_line
+from chatlearn.runtime.records.reporting import EpisodeReporter, json_line
 from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.finite import check_finite_tensors, nonfinite_summary, require_finite

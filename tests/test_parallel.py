@@ -16,11 +16,11 @@ from chatlearn.config import load_config
 from chatlearn.models.hf.policy import PolicyInference
 from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer
 from chatlearn.models.parallel import ParallelDims, full_tensor, tp_plan
-from chatlearn.runtime.model_group import cluster_nodes, setup_models, start_workers
-from chatlearn.runtime.param_sync import SyncError
-from chatlearn.runtime.placement import plan_placement
-from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route, sync_routes
-from chatlearn.runtime.waiting import wait
+from chatlearn.runtime.calls.waiting import wait
+from chatlearn.runtime.cluster.model_group import cluster_nodes, setup_models, start_workers
+from chatlearn.runtime.cluster.placement import plan_placement
+from chatlearn.runtime.weights.param_sync import SyncError
+from chatlearn.runtime.weights.sync import SyncRoute, check_specs, connect, plan_route, sync_routes
 
 
 def done(call):
@@ -278,7 +278,7 @@ def test_a_killed_receiver_is_an_error_naming_the_group(ray_session, tiny_model_
 
 
 def test_the_debug_check_names_the_first_tensor_that_differs():
-    from chatlearn.runtime.sync import first_mismatch
+    from chatlearn.runtime.weights.sync import first_mismatch
 
     route = SyncRoute(key="t->p", src="t", dst="p", src_ranks=["w0"], dst_ranks=[["w1"], ["w2", "w3"]],
                       specs=[("a", [2], "float32"), ("b", [2], "float32")])
@@ -349,7 +349,7 @@ def test_default_with_zero2_trainers_and_tp2_policy_follows_the_single_process_r
 
 def test_routes_run_in_waves_of_param_sync_max_workers(monkeypatch):
     """concurrent_comm with param_sync_max_workers: at most that many routes in flight; none is a no-op."""
-    import chatlearn.runtime.sync as sync
+    import chatlearn.runtime.weights.sync as sync
 
     events = []
     routes = [SyncRoute(key=f"t{i}->p{i}", src=f"t{i}", dst=f"p{i}", src_ranks=["w"], dst_ranks=[["v"]])

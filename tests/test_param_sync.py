@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import Replicate, Shard
 
-from chatlearn.runtime.param_sync import broadcast_tensors, plan_buckets, specs_of
+from chatlearn.runtime.weights.param_sync import broadcast_tensors, plan_buckets, specs_of
 
 
 def state(fill: bool) -> dict[str, torch.Tensor]:
@@ -138,7 +138,7 @@ def _tp_worker(rank: int, ports: tuple[int, int], out: dict) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     from chatlearn.models.parallel import full_tensor
-    from chatlearn.runtime.param_sync import Staging, SyncGroup, transfer
+    from chatlearn.runtime.weights.param_sync import Staging, SyncGroup, transfer
 
     torch.set_num_threads(1)
     if rank < 2:  # the TP replica's own world: p0 and p1

@@ -3,7 +3,7 @@
 import pytest
 
 from chatlearn.config import load_config
-from chatlearn.runtime.placement import (
+from chatlearn.runtime.cluster.placement import (
     NodeSpec,
     PlacementError,
     find_packs,

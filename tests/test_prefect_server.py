@@ -11,12 +11,12 @@ import urllib.request
 
 import pytest
 
-from chatlearn.runtime.prefect_server import _alive, healthy
+from chatlearn.runtime.records.prefect_server import _alive, healthy
 from tests.conftest import REPO
 
 HOLD = """
 import sys, time
-from chatlearn.runtime.prefect_server import local_prefect_api
+from chatlearn.runtime.records.prefect_server import local_prefect_api
 with local_prefect_api(announce=lambda m: print(m, flush=True)) as url:
     print("URL", url, flush=True)
     while not __import__("os").path.exists(sys.argv[1]):
@@ -105,7 +105,7 @@ def test_the_ui_is_told_the_served_api_not_the_default_port(tmp_path):
         assert a.wait(60) == 0
 
 
-SERVE = "from chatlearn.runtime.prefect_server import serve_forever; serve_forever()"
+SERVE = "from chatlearn.runtime.records.prefect_server import serve_forever; serve_forever()"
 
 
 @pytest.mark.integration
@@ -193,7 +193,7 @@ def test_a_configured_api_is_used_as_is_and_nesting_is_harmless(tmp_path, monkey
     an API set in the environment after Prefect read it is made visible to Prefect's clients."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from chatlearn.runtime.prefect_server import configured_api_url, local_prefect_api
+    from chatlearn.runtime.records.prefect_server import configured_api_url, local_prefect_api
 
     monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(tmp_path))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)

@@ -121,7 +121,7 @@ def test_the_command_exits_2_before_prefect_or_ray_start(command, override, firs
     import ray
 
     from chatlearn.cli import main
-    from chatlearn.runtime import prefect_server
+    from chatlearn.runtime.records import prefect_server
 
     def started(*_args, **_kwargs):
         raise AssertionError("the Prefect server was asked for")

@@ -8,9 +8,9 @@ import importlib
 import pytest
 
 from chatlearn.config import load_config
-from chatlearn.runtime.placement import PlacementError
+from chatlearn.runtime.calls.recovery import ProcessLost
+from chatlearn.runtime.cluster.placement import PlacementError
 from chatlearn.runtime.prepared import PreparedRun
-from chatlearn.runtime.recovery import ProcessLost
 from chatlearn.utils.errors import RunError
 
 train_flow = importlib.import_module("flows.train_flow")  # the module: `flows.train_flow` the name is the flow

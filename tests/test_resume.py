@@ -41,7 +41,7 @@ def model_dirs(tiny_model_dir, tiny_qwen2_dir):
 
 
 def train(out, exp, model_dirs, crash=None, kill=None, extra=()):
-    # crash: SIGKILL the driver at a point; kill: SIGKILL a model's worker process (chatlearn.runtime.recovery)
+    # crash: SIGKILL the driver at a point; kill: SIGKILL a model's worker process (chatlearn.runtime.calls.recovery)
     tiny_model_dir, tiny_qwen2_dir = model_dirs
     return chatlearn_train([*ARGS, *extra, f"runtime.exp_name={exp}"], out, tiny_model_dir,
                            CHATLEARN_TINY_QWEN2_DIR=tiny_qwen2_dir, CHATLEARN_CRASH_AT=crash,

@@ -13,8 +13,8 @@ import struct
 import pytest
 import torch
 
-from chatlearn.runtime.profiling import StageMarks, nvtx_range, nvtx_works, stage_of, trace_name
-from chatlearn.runtime.reporting import CURVE_DPI, CURVE_SIZE, curves_png, json_safe, table_rows, write_curves
+from chatlearn.runtime.records.profiling import StageMarks, nvtx_range, nvtx_works, stage_of, trace_name
+from chatlearn.runtime.records.reporting import CURVE_DPI, CURVE_SIZE, curves_png, json_safe, table_rows, write_curves
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WIDTH, HEIGHT = round(CURVE_SIZE[0] * CURVE_DPI), round(CURVE_SIZE[1] * CURVE_DPI)

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from chatlearn.runtime.run_lock import lock_run_dir, read_holder
+from chatlearn.runtime.records.run_lock import lock_run_dir, read_holder
 from chatlearn.utils.errors import RunError
 from tests.conftest import REPO
 
-TAKE = ("import sys, time\nfrom chatlearn.runtime.run_lock import lock_run_dir\n"
+TAKE = ("import sys, time\nfrom chatlearn.runtime.records.run_lock import lock_run_dir\n"
         "lock_run_dir(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(float(sys.argv[2]))\n")
 
 

@@ -19,15 +19,15 @@ from prefect.client.schemas.filters import (
     TaskRunFilterFlowRunId,
 )
 
-from chatlearn.runtime import run_record
-from chatlearn.runtime.run_record import mark_previous_run_crashed, read_record, record_flow_run
+from chatlearn.runtime.records import run_record
+from chatlearn.runtime.records.run_record import mark_previous_run_crashed, read_record, record_flow_run
 from tests.conftest import REPO
 
 KILLED = """
 import sys, time
 from pathlib import Path
 from prefect import flow, task
-from chatlearn.runtime.run_record import record_flow_run
+from chatlearn.runtime.records.run_record import record_flow_run
 
 @task
 def stage(ready):

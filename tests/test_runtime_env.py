@@ -6,7 +6,7 @@ import os
 
 from chatlearn.config import load_config
 from chatlearn.config.user_code import user_code
-from chatlearn.runtime.launch import ALWAYS_EXCLUDED, SETUP_HOOK, ray_runtime_env
+from chatlearn.runtime.cluster.launch import ALWAYS_EXCLUDED, SETUP_HOOK, ray_runtime_env
 from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs_on_path
 
 

@@ -57,7 +57,7 @@ def test_a_stuck_stage_is_an_error_naming_the_episode_stage_and_model(tiny_model
 def test_the_stage_clock_names_the_models_that_did_not_answer(ray_session):
     import ray
 
-    from chatlearn.runtime.waiting import StageClock, StageTimeout
+    from chatlearn.runtime.calls.waiting import StageClock, StageTimeout
 
     @ray.remote(num_cpus=0)
     def answer(seconds):
@@ -72,7 +72,7 @@ def test_the_stage_clock_names_the_models_that_did_not_answer(ray_session):
                               "the model is stuck or the limit is too low")
     # a replica call waits on every rank: rank 0's result comes back, a stuck rank 1 is named by its model,
     # a failed rank 1 raises its error (nothing is left to settle later)
-    from chatlearn.runtime.handles import Call
+    from chatlearn.runtime.calls.handles import Call
 
     @ray.remote(num_cpus=0)
     def fail():

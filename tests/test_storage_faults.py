@@ -156,7 +156,7 @@ def test_a_data_checkpoint_directory_that_is_a_file(tmp_path):
 
 def test_metrics_and_curves_that_cannot_be_written(tmp_path, monkeypatch):
     from chatlearn.config import load_config
-    from chatlearn.runtime.reporting import EpisodeReporter, write_curves
+    from chatlearn.runtime.records.reporting import EpisodeReporter, write_curves
 
     cfg = load_config(None, [f"runtime.output_dir={tmp_path}", "runtime.num_episode=2"])
     (tmp_path / "a").mkdir()
@@ -201,7 +201,7 @@ def test_up_front_checks_name_the_directory(tmp_path, monkeypatch):
 def test_the_config_checkpoint_dirs_are_checked_with_the_lock(tmp_path):
     from chatlearn.checkpoint.resume import checkpoint_dirs
     from chatlearn.config import load_config
-    from chatlearn.runtime.run_lock import lock_run_dir, read_holder
+    from chatlearn.runtime.records.run_lock import lock_run_dir, read_holder
 
     cfg = load_config(None, [f"runtime.output_dir={tmp_path}", "runtime.save_episode_interval=1",
                              f"runtime.data_checkpoint_path={tmp_path}/file/dc"])

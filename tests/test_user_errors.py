@@ -17,9 +17,9 @@ import torch
 
 from chatlearn.data.relay import RelayBuffer, RelayHookError
 from chatlearn.models.rule import RewardError, hook_name, score_samples
-from chatlearn.runtime.console import LOG_NAME, run_log
-from chatlearn.runtime.evaluation import eval_metrics
-from chatlearn.runtime.handles import RefBox
+from chatlearn.runtime.calls.handles import RefBox
+from chatlearn.runtime.records.console import LOG_NAME, run_log
+from chatlearn.runtime.records.evaluation import eval_metrics
 from chatlearn.utils.errors import RunError, find_run_error
 from flows.stage_tasks import in_stage, stage_error
 from tests.conftest import REPO

@@ -35,7 +35,7 @@ def data_checkpoint_dir(cfg: ChatLearnConfig) -> str:
 def checkpoint_dirs(cfg: ChatLearnConfig) -> list[tuple[str, str]]:
     """(directory, what) of every directory this config's checkpoints go to: the
     model checkpoints' `run_dir/checkpoints` (`BaseModule.checkpoint_dir` puts each model's under it) and the
-    data checkpoint directory. The run checks them up front (`chatlearn.runtime.run_lock.lock_run_dir`), so a
+    data checkpoint directory. The run checks them up front (`chatlearn.runtime.records.run_lock.lock_run_dir`), so a
     path that is a file or read-only fails before anything starts rather than at the first checkpoint. Every
     training run writes them: the last episode always checkpoints (`chatlearn.runtime.schedule.checkpoint_due`)."""
     rt = cfg.runtime

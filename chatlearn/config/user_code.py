@@ -3,7 +3,7 @@
 Besides the installed packages, code is looked up in the current directory, the config file's folder and the
 folders of file-form hooks (``path/to/myreward.py:fn``), in that order (`chatlearn.utils.imports`). The
 driver looks there while `user_code(cfg)` is active (the checks, building the modules, the run); the Ray
-workers get the same folders on their ``PYTHONPATH`` (`chatlearn.runtime.launch.ray_runtime_env`) and, when
+workers get the same folders on their ``PYTHONPATH`` (`chatlearn.runtime.cluster.launch.ray_runtime_env`) and, when
 the run joins a cluster whose other nodes do not share this file system, the files themselves as Ray
 ``py_modules`` (`shipped_code`).
 """

@@ -2,7 +2,7 @@
 traceback, whichever layer raises it (the CLI, the train flow, a stage task, a Ray actor).
 
 They are all `UserError`s. `ConfigError` (chatlearn.config), `DataError` (chatlearn.data.prompts),
-`PlacementError` (chatlearn.runtime.placement) and `CheckpointError` (chatlearn.checkpoint) are mostly found
+`PlacementError` (chatlearn.runtime.cluster.placement) and `CheckpointError` (chatlearn.checkpoint) are mostly found
 before a run starts. `RunError` is everything found once it runs: a user hook that raised or returned a
 non-number, a non-finite reward or loss, a stage past its timeout, a checkpoint that cannot be written, a model
 process lost more often than the retries allow, a run directory that holds another run. The message says where

@@ -18,10 +18,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from chatlearn.config import ChatLearnConfig
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.parallel import DIMS, ParallelDims
-from chatlearn.runtime.handles import ModelHandle, ReplicaHandle
-from chatlearn.runtime.placement import NodeSpec, PlacementError, PlacementPlan
-from chatlearn.runtime.waiting import wait
-from chatlearn.runtime.worker import Worker
+from chatlearn.runtime.calls.handles import ModelHandle, ReplicaHandle
+from chatlearn.runtime.calls.waiting import wait
+from chatlearn.runtime.cluster.placement import NodeSpec, PlacementError, PlacementPlan
+from chatlearn.runtime.cluster.worker import Worker
 
 logger = logging.getLogger("chatlearn")
 

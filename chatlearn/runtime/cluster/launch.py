@@ -23,15 +23,15 @@ from chatlearn.data.preflight import record_keys
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.rule import RuleSpec
-from chatlearn.runtime.handles import RunHandle
-from chatlearn.runtime.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
-from chatlearn.runtime.placement import NodeSpec, plan_placement
+from chatlearn.runtime.calls.handles import RunHandle
+from chatlearn.runtime.calls.stopping import keep_handlers, on_stop
+from chatlearn.runtime.calls.waiting import wait
+from chatlearn.runtime.cluster.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
+from chatlearn.runtime.cluster.placement import NodeSpec, plan_placement
+from chatlearn.runtime.cluster.stream_dataset import StreamDataset
 from chatlearn.runtime.plan import ResolvedEngine
 from chatlearn.runtime.prepared import PreparedRun
-from chatlearn.runtime.stopping import keep_handlers, on_stop
-from chatlearn.runtime.stream_dataset import StreamDataset
-from chatlearn.runtime.sync import SyncRoute, check_specs, connect, plan_route
-from chatlearn.runtime.waiting import wait
+from chatlearn.runtime.weights.sync import SyncRoute, check_specs, connect, plan_route
 from chatlearn.utils.devices import fake_gpus
 from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, code_dirs_on_path
 

@@ -34,7 +34,7 @@ from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Crashed
 
-from chatlearn.runtime.prefect_server import _alive
+from chatlearn.runtime.records.prefect_server import _alive
 
 RECORD_NAME = ".flow_run.json"
 # what a run whose process died can be left in; everything else is final (or a Crashed we must not redo)

@@ -16,8 +16,8 @@ from typing import Any
 
 import ray
 
-from chatlearn.runtime.handles import Call
-from chatlearn.runtime.stopping import Stopped, stop_signal, stopping
+from chatlearn.runtime.calls.handles import Call
+from chatlearn.runtime.calls.stopping import Stopped, stop_signal, stopping
 from chatlearn.utils.errors import RunError
 
 _SLICE_S = 0.5  # how often a waiting stage looks at the clock and the stop flag

@@ -32,7 +32,7 @@ _DEFAULT_RESIDENT = ("weights",)
 
 def resident(*parts: str) -> Callable[[F], F]:
     """Declare what a host method needs in memory while it runs (``"weights"``, ``"optimizer"``): before it runs,
-    the colocated models of the process offload and this one onloads that (`chatlearn.runtime.worker`).
+    the colocated models of the process offload and this one onloads that (`chatlearn.runtime.cluster.worker`).
     ``@resident()``: the method touches no tensors, no handover around it. Undeclared: the weights."""
 
     def mark(fn: F) -> F:

@@ -4,7 +4,7 @@ Colocated models on one device live in one process, as verl's hybrid workers do:
 imported once, a colocated trainer → inference sync is an in-process copy, and memory is handed over between
 them: before a model runs, the other colocated models in the process offload what their flags allow and this
 model onloads what the call needs (ChatLearn's onload/offload, done when the device changes hands rather than
-twice per stage). Per-model calls go through :meth:`Worker.run`; :class:`~chatlearn.runtime.handles.ModelHandle`
+twice per stage). Per-model calls go through :meth:`Worker.run`; :class:`~chatlearn.runtime.calls.handles.ModelHandle`
 makes them look like calls on a per-model actor.
 
 A worker belongs to one placement unit; when the unit has several processes they form one torch.distributed
@@ -24,9 +24,9 @@ from chatlearn.config import ModelConfig, RuntimeConfig
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.memory import PARTS, MemoryManager
 from chatlearn.models.parallel import ParallelContext, ParallelDims
-from chatlearn.runtime.host import ModelHost, resident_parts
-from chatlearn.runtime.param_sync import Staging, SyncGroup, specs_of, transfer
-from chatlearn.runtime.profiling import StageMarks
+from chatlearn.runtime.cluster.host import ModelHost, resident_parts
+from chatlearn.runtime.records.profiling import StageMarks
+from chatlearn.runtime.weights.param_sync import Staging, SyncGroup, specs_of, transfer
 from chatlearn.utils.devices import fake_gpus
 
 # Collective operations fail after this instead of hanging for gloo's default 30 minutes.
@@ -133,7 +133,7 @@ class Worker:
                 f"of {method} failed: a peer process died or did not answer within {DIST_TIMEOUT.total_seconds():.0f}"
                 f"s (CHATLEARN_DIST_TIMEOUT): {str(exc).strip().splitlines()[0][:300]}") from exc
 
-    # -- parameter sync (chatlearn.runtime.sync) --------------------------------------------------------------
+    # -- parameter sync (chatlearn.runtime.weights.sync) --------------------------------------------------------------
     def sync_specs(self, name: str, role: str) -> list[tuple[str, list[int], str]]:
         """(name, global shape, dtype) of what model ``name`` sends (``src``) or receives (``dst``) in a sync."""
         self._hand_over([name], ("weights",))
@@ -154,7 +154,7 @@ class Worker:
         return True
 
     def sync_weights(self, route: dict[str, Any], process: str) -> dict[str, Any]:
-        """This process's part of one route's sync (see ``chatlearn.runtime.sync``): gather and send when it
+        """This process's part of one route's sync (see ``chatlearn.runtime.weights.sync``): gather and send when it
         hosts the trainer, receive when it is a remote inference rank, copy in-process when both."""
         src, dst = route["src"], route["dst"]
         hosts_src = process in route["src_ranks"]
@@ -195,7 +195,7 @@ class Worker:
     # -- process-wide ---------------------------------------------------------------------------------------
     def begin_episode(self, episode: int, profiler_dir: str | None = None) -> dict[str, Any]:
         """Name `episode` in this process's NVTX ranges; with ``profiler_dir``, profile it (``runtime.nsys``,
-        ``runtime.profiler_dir``: see ``chatlearn.runtime.profiling``)."""
+        ``runtime.profiler_dir``: see ``chatlearn.runtime.records.profiling``)."""
         return self.marks.begin(episode, profiler_dir)
 
     def end_episode(self) -> list[str]:

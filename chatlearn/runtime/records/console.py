@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from chatlearn.runtime.stopping import stopping
+from chatlearn.runtime.calls.stopping import stopping
 from chatlearn.utils.errors import find_user_error
 
 LOG_NAME = "chatlearn.log"

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from chatlearn.runtime.waiting import wait
+from chatlearn.runtime.calls.waiting import wait
 
 # Model methods that make up a stage of the episode; anything else (setup, ping, checkpoint loading) is
 # not an episode's work and gets no range.

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from chatlearn.models.rule import RuleSpec
 from chatlearn.runtime.plan import EpisodePlan
-from chatlearn.runtime.sync import SyncRoute
+from chatlearn.runtime.weights.sync import SyncRoute
 
 
 class RunHandle(BaseModel):
@@ -45,7 +45,7 @@ class RunHandle(BaseModel):
     sync_routes: list[SyncRoute] = Field(default_factory=list, description="trainer -> inference weight routes")
     concurrent_comm: bool = True
     param_sync_max_workers: int | None = None
-    stage_timeout_s: float | None = Field(None, description="runtime.stage_timeout_s (chatlearn.runtime.waiting)")
+    stage_timeout_s: float | None = Field(None, description="runtime.stage_timeout_s (chatlearn.runtime.calls.waiting)")
 
     def actor(self, process: str) -> Any:
         """A worker process of the run, by name."""

@@ -3,7 +3,7 @@
 Each (trainer, inference model) pair of the engine is a :class:`SyncRoute`, planned once at launch:
 
 * **collective** (the built-in torch modules): a sync group joins the trainer's rank 0 with every process of
-  the inference copies outside the trainer's processes (:mod:`chatlearn.runtime.param_sync`); every process
+  the inference copies outside the trainer's processes (:mod:`chatlearn.runtime.weights.param_sync`); every process
   of the pair takes part in one call, the trainer's ranks gathering sharded weights, receivers copying their
   slices in place, colocated receivers copying in-process. ``param_sync_comm_type``, ``coalesce_param``,
   ``coalesced_buffer_mb``, ``free_sync_collective_group`` and ``debug`` act here; ``concurrent_comm`` and
@@ -11,7 +11,7 @@ Each (trainer, inference model) pair of the engine is a :class:`SyncRoute`, plan
 * **object store**, for modules with their own ``get_weights``/``set_weights``: the trainer's state dict is put
   in Ray's object store once and loaded by every receiver.
 
-Every wait is bounded: a rank that dies or hangs turns into a :class:`~chatlearn.runtime.param_sync.SyncError`
+Every wait is bounded: a rank that dies or hangs turns into a :class:`~chatlearn.runtime.weights.param_sync.SyncError`
 naming the route and the processes that did not finish, within the group's timeout.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import ray
 from pydantic import BaseModel, Field
 
-from chatlearn.runtime.param_sync import SyncError
+from chatlearn.runtime.weights.param_sync import SyncError
 
 # Collectives of sync groups (and of the worlds, see worker.DIST_TIMEOUT) fail after this many seconds.
 SYNC_TIMEOUT_S = float(os.environ.get("CHATLEARN_DIST_TIMEOUT", "300"))

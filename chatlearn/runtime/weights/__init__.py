@@ -1,0 +1,2 @@
+"""Weights from trainers to inference copies: the routes planned at launch and the collective transfer.
+"""
