@@ -25,7 +25,7 @@ train: setup
 	$(BIN)/chatlearn train $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests --durations=15 $(PYTEST_ARGS)
 
 # the edit-test loop: everything but the tests that start Ray and Prefect (about 90 s)
 test-fast: setup

@@ -241,14 +241,17 @@ def test_the_advantage_estimator_is_the_engines_and_an_unknown_one_is_refused():
         "makes (the rlhf engine runs 'gae')"]
 
 
-def test_an_engine_built_in_code_under_another_runtime_engine_names_its_estimator():
-    # the reward takes its default from runtime.engine: a grpo engine built in code under runtime.engine rlhf
-    # would run GAE, so the checks say so (naming the estimator, or runtime.engine: grpo, passes)
-    cfg = os.path.join(REPO, "configs", "grpo.yaml")
-    with pytest.raises(ConfigError) as info:
-        load_config(cfg, ["runtime.engine=rlhf"], [EngineChecks("grpo")])
-    assert info.value.problems == [
-        "models.reward.args_dict.advantage_estimator: the grpo engine runs 'grpo', but the reward takes the default "
-        "of runtime.engine (rlhf: 'gae'); set runtime.engine: grpo, or name the estimator here"]
-    load_config(cfg, ["runtime.engine=rlhf", "models.reward.args_dict.advantage_estimator=grpo"],
-                [EngineChecks("grpo")])
+def test_an_engine_built_in_code_under_another_runtime_engine_runs_its_own_estimator(monkeypatch):
+    # the reward takes its default from runtime.engine: the prepared run of a grpo engine built in code (or named
+    # by the flow's engine argument) under runtime.engine rlhf records grpo, so its reward runs 'grpo', not GAE
+    import chatlearn.runtime.prepared as prepared
+    from chatlearn.runtime.plan import resolve_engine
+
+    monkeypatch.setattr(prepared, "preflight", lambda cfg, eng: None)  # no data or model files needed here
+    cfg = load_config(os.path.join(REPO, "configs", "grpo.yaml"), ["runtime.engine=rlhf"], [EngineChecks("grpo")])
+    run = prepared.prepare_run(cfg, engine="grpo")
+    assert (run.engine.name, run.cfg.runtime.engine, cfg.runtime.engine) == ("grpo", "grpo", "rlhf")
+    reward = run.engine.modules["reward"]
+    reward.bind(run.cfg.models["reward"], run.cfg.runtime, 0, 0)
+    assert reward.advantage_estimator() == "grpo"
+    assert resolve_engine(cfg).name == "rlhf"  # the config alone still names rlhf

@@ -68,7 +68,7 @@ class EngineChecks:
         problems += _lora(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _old_logprobs(cfg, name)
         problems += _critic_free_reward_args(cfg, name)
-        problems += _advantage_estimator(cfg, name, spec, self.modules, self.engine is not None)
+        problems += _advantage_estimator(cfg, name, spec, self.modules)
         problems += _sync_frequency(cfg, spec)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
@@ -360,22 +360,16 @@ def _critic_free_reward_args(cfg: ChatLearnConfig, engine: str) -> list[str]:
 _MADE_BY = {"logprobs": "policy", "response_mask": "policy", "ref_logprobs": "reference", "values": "value"}
 
 
-def _advantage_estimator(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any],
-                         in_code: bool) -> list[str]:
-    """The reward's advantage estimator (``args_dict.advantage_estimator``, else the engine's) reads only what
-    the engine's models make (its reward module says what an estimator reads: ``estimator_inputs``), and is the
-    engine's: the reward goes by ``runtime.engine``, so an engine built in code under another ``runtime.engine``
-    names it. (An unknown name is the reward's ``args_schema``'s error.)"""
+def _advantage_estimator(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
+    """The reward's advantage estimator (``args_dict.advantage_estimator``, else the engine's: the prepared run
+    sets ``runtime.engine`` to the engine it runs, `chatlearn.runtime.prepared`) reads only what the engine's
+    models make (its reward module says what an estimator reads: ``estimator_inputs``). (An unknown name is the
+    reward's ``args_schema``'s error.)"""
     if spec.advantage_estimator is None or "reward" not in cfg.models:
         return []
     pre = "models.reward.args_dict.advantage_estimator"
     given = (cfg.models["reward"].args_dict or {}).get("advantage_estimator")
     if given is None:
-        runtime = ENGINES.get(cfg.runtime.engine)
-        if in_code and runtime is not None and runtime.advantage_estimator != spec.advantage_estimator:
-            return [f"{pre}: the {engine} engine runs {spec.advantage_estimator!r}, but the reward takes the default "
-                    f"of runtime.engine ({cfg.runtime.engine}: {runtime.advantage_estimator!r}); set runtime.engine: "
-                    f"{engine}, or name the estimator here"]
         given = spec.advantage_estimator
     inputs_of = getattr(_module_class("reward", cfg, modules, engine), "estimator_inputs", None)
     inputs = inputs_of(given) if inputs_of is not None and isinstance(given, str) else None
