@@ -76,5 +76,5 @@ def _eval(config: ConfigParam | None = None, config_path: str | None = None, ove
     return metrics
 
 
-eval_flow = PrevalidatedFlow(fn=_eval, engine="eval", prepares_inside=lambda kwargs: bool(kwargs.get("train_run")),
-                             name="chatlearn-eval", log_prints=True)
+eval_flow = PrevalidatedFlow(fn=_eval, engine="eval", prepares_inside_with="train_run", name="chatlearn-eval",
+                             log_prints=True)

@@ -17,7 +17,7 @@ worker) the call changes nothing: its runs belong with the parent's, on the pare
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from prefect import Flow
@@ -50,15 +50,16 @@ class PrevalidatedFlow(Flow):
     """A flow whose direct calls prepare the run (config checks, engine, data) before a flow run exists.
 
     `engine` fixes the engine (the eval flow); otherwise the call's `engine` argument or `runtime.engine`.
-    `prepares_inside(kwargs)`: whether the flow body must prepare the run itself (the eval of a train run
-    reads the policy to evaluate inside the flow); the config is still checked before.
+    `prepares_inside_with`: an argument that, when given, makes the flow body prepare the run itself (the eval
+    of a train run reads the policy to evaluate inside the flow); the config is still checked before. (A name,
+    not a callable: the flow object travels with its task runs to Ray workers, which cannot import a function
+    of a flow file a deployment loaded by path.)
     """
 
-    def __init__(self, fn: Any, engine: str | None = None,
-                 prepares_inside: Callable[[dict[str, Any]], bool] | None = None, **kwargs: Any):
+    def __init__(self, fn: Any, engine: str | None = None, prepares_inside_with: str | None = None, **kwargs: Any):
         super().__init__(fn=fn, **kwargs)
         self.fixed_engine = engine
-        self.prepares_inside = prepares_inside
+        self.prepares_inside_with = prepares_inside_with
 
     def __call__(self, config: Any = None, modules: dict[str, Any] | None = None, *, config_path: str | None = None,
                  overrides: Sequence[str] | None = None, **kwargs: Any) -> Any:
@@ -69,7 +70,7 @@ class PrevalidatedFlow(Flow):
             prepared: PreparedRun | None = config
         else:
             cfg = config_of(config, config_path, overrides, [EngineChecks(engine, modules or {})])
-            inside = self.prepares_inside is not None and self.prepares_inside(kwargs)
+            inside = self.prepares_inside_with is not None and kwargs.get(self.prepares_inside_with) is not None
             prepared = None if inside else prepare_run(cfg, modules, engine)
         handing = handing_down(prepared) if prepared is not None else contextlib.nullcontext()
         with _api_for_direct_call(), handing:

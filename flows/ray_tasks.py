@@ -23,12 +23,13 @@ settings once and keeps one API client. Everything else is prefect-ray's and Pre
 engine runs in the worker as before, so task runs, states, retries and logs reach the API as they did.
 """
 
+import sys
 import threading
 import uuid
 from typing import Any
 
 import ray
-from prefect.context import SettingsContext, SyncClientContext, serialize_context
+from prefect.context import FlowRunContext, SettingsContext, SyncClientContext, serialize_context
 from prefect.utilities.engine import collect_task_run_inputs_sync
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import RemoteOptionsContext
@@ -63,6 +64,23 @@ def _settings_key() -> str:
     return _DRIVER_SETTINGS["key"]
 
 
+def _ship_path_loaded_flow() -> None:
+    """A task's context carries its flow; a deployment loads its flow from a file path (``flows/eval_flow.py``)
+    as a top-level module (``eval_flow``, importable here only because Prefect put its folder on the path), which
+    a Ray worker cannot import, so such a module travels by value. A module of a package (``flows.eval_flow``)
+    is imported in the worker as usual."""
+    ctx = FlowRunContext.get()
+    name = getattr(getattr(ctx.flow, "fn", None), "__module__", None) if ctx is not None and ctx.flow else None
+    module = sys.modules.get(name) if name else None
+    if module is None or name in _BY_VALUE or "." in name or name == "__main__":
+        return
+    ray.cloudpickle.register_pickle_by_value(module)
+    _BY_VALUE.add(name)
+
+
+_BY_VALUE: set[str] = set()  # driver: flow modules checked (and shipped by value where not importable)
+
+
 def _worker_prefect(key: str, serialized: dict[str, Any]) -> tuple[SettingsContext, SyncClientContext]:
     """This worker process's settings and API client for the driver's settings ``key``, made on first use."""
     if key not in _WORKER:
@@ -91,6 +109,7 @@ class WarmRayTaskRunner(RayTaskRunner):
         task_run_id = uuid.uuid4()
         task_inputs = {k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture) for k, v in parameters.items()}
         with _LOCK:
+            _ship_path_loaded_flow()
             key = _settings_key()
             current = SettingsContext.get()
             with _SerializedSettings(profile=current.profile, settings=current.settings):

@@ -219,7 +219,8 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
         time.sleep(1.0)
     assert len(evals) == 1 and evals[0].deployment_id == eval_dep.id, evals  # prefect.yaml's: not for this one
     assert evals[0].parameters["train_run"] == f"prefect.flow-run.{done.id}"
-    assert _wait_final(stack, evals[0].id).state.type.value == "COMPLETED"
+    final = _wait_final(stack, evals[0].id)
+    assert final.state.type.value == "COMPLETED", final.state.message
     evaluated = json.loads((run_dir / "eval" / "eval.json").read_text())
     assert evaluated["model_path"] == str(run_dir / "final" / "policy")
     assert "eval_reward_mean" in evaluated

@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 import pytest
 import torch
 
-from chatlearn.models.hf.reward import RuleReward
 from tests.conftest import REPO
+from tests.hooked_reward import HookedReward
 
 pytestmark = pytest.mark.integration
 
@@ -177,20 +177,6 @@ def live_actor_names(namespace):
     import ray
 
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
-
-
-class HookedReward(RuleReward):
-    """A rule reward whose ChatLearn episode hooks append to run_dir/hooks.log (they run in its worker)."""
-
-    def before_episode(self):
-        self._note("before")
-
-    def after_episode(self):
-        self._note("after")
-
-    def _note(self, what):
-        with open(os.path.join(self.runtime_args.run_dir, "hooks.log"), "a") as f:
-            f.write(what + "\n")
 
 
 def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, tiny_model_dir, tmp_path,
