@@ -104,17 +104,26 @@ def test_fake_gpu_run_uses_the_planned_devices(one_node_run):
     assert [r["episode"] for r in got] == [0, 1] and all(0.0 <= r["reward_mean"] <= 1.0 for r in got)
 
 
-def test_two_node_cluster_run_matches_one_node(one_node_run, prefect_api, tiny_model_dir, tmp_path, shipped_reward):
+def test_one_two_node_cluster_matches_one_node_then_fails_in_one_line_when_a_node_is_lost_or_missing(
+        one_node_run, prefect_api, tiny_model_dir, tmp_path, shipped_reward):
+    """One two-node cluster for three runs, in order: the run matches the one-node run; a run that loses the
+    second node mid-run fails naming it; on the head alone the layout does not fit: one line, nothing written."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3, resources={"head": 1}))
     try:
-        cluster.add_node(num_cpus=4, num_gpus=1, resources={"second": 1})
+        second = cluster.add_node(num_cpus=4, num_gpus=1, resources={"second": 1})
         cluster.wait_for_nodes()
         run_dir = train(tmp_path, "two-nodes", tiny_model_dir, *GPU_LAYOUT, *shipped_reward,
                         env={"RAY_ADDRESS": cluster.address, "CHATLEARN_FAKE_GPUS": "4"})
+        check_two_nodes(run_dir, one_node_run)
+        lose_the_second_node(cluster, second, tiny_model_dir, tmp_path, shipped_reward)
+        too_small(cluster, tiny_model_dir, tmp_path)
     finally:
         cluster.shutdown()
+
+
+def check_two_nodes(run_dir, one_node_run):
     placement = json.loads((run_dir / "placement.json").read_text())
     head, second = placement["nodes"]
     on = {name: {r["node_id"] for rep in reps for r in rep} for name, reps in placement["ranks"].items()}
@@ -139,33 +148,25 @@ def test_every_offload_flag_on_ends_bit_identical(prefect_api, tiny_model_dir, t
     assert all("handover_mb" not in r for r in off_rows)
 
 
-def test_a_node_lost_mid_run_fails_naming_it_when_the_layout_no_longer_fits(prefect_api, tiny_model_dir, tmp_path,
-                                                                            shipped_reward):
+def lose_the_second_node(cluster, second, tiny_model_dir, tmp_path, shipped_reward):
     # the trainers run on the second node (its one GPU); losing that node mid-run leaves 3 GPUs for a layout
     # of 4: the run recreates what it can, finds the layout no longer fits, and fails naming the lost node
     from prefect.settings import PREFECT_API_URL
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3, resources={"head": 1}))
-    try:
-        second = cluster.add_node(num_cpus=4, num_gpus=1, resources={"second": 1})
-        cluster.wait_for_nodes()
-        env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
-                   PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=cluster.address, CHATLEARN_FAKE_GPUS="4")
-        args = [*SMALL, "runtime.num_episode=20", "runtime.save_episode_interval=1", *GPU_LAYOUT, *shipped_reward,
-                "runtime.exp_name=lose-node"]
-        proc = subprocess.Popen([sys.executable, "-m", "chatlearn.cli", "train", *args], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        metrics = tmp_path / "lose-node" / "metrics.jsonl"
-        for _ in range(3000):
-            if proc.poll() is not None or (metrics.exists() and metrics.read_text().strip()):
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        cluster.remove_node(second)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        cluster.shutdown()
+    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+               PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=cluster.address, CHATLEARN_FAKE_GPUS="4")
+    args = [*SMALL, "runtime.num_episode=20", "runtime.save_episode_interval=1", *GPU_LAYOUT, *shipped_reward,
+            "runtime.exp_name=lose-node"]
+    proc = subprocess.Popen([sys.executable, "-m", "chatlearn.cli", "train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "lose-node" / "metrics.jsonl"
+    for _ in range(3000):
+        if proc.poll() is not None or (metrics.exists() and metrics.read_text().strip()):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    cluster.remove_node(second)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("chatlearn: error:")]
     assert len(errors) == 1, err[-3000:]
@@ -173,21 +174,16 @@ def test_a_node_lost_mid_run_fails_naming_it_when_the_layout_no_longer_fits(pref
     assert second.node_id[:12] in errors[0], errors[0]
 
 
-def test_a_cluster_too_small_is_one_line_without_a_traceback(prefect_api, tiny_model_dir, tmp_path):
+def too_small(cluster, tiny_model_dir, tmp_path):
     # joining a cluster, the plan needs the live nodes, so the layout is checked inside the train flow (after
     # the Prefect flow run exists): still the one line on the terminal, no traceback, nothing written
     from prefect.settings import PREFECT_API_URL
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3))
-    try:
-        env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
-                   PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=cluster.address)
-        res = subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *SMALL, *GPU_LAYOUT,
-                              "runtime.exp_name=too-small"], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=300)
-    finally:
-        cluster.shutdown()
+    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+               PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=cluster.address)
+    res = subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *SMALL, *GPU_LAYOUT,
+                          "runtime.exp_name=too-small"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr and "Finished in state Failed" not in res.stderr, res.stderr[-3000:]
     assert res.stderr.splitlines()[-1] == (
