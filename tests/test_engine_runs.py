@@ -107,6 +107,10 @@ def test_online_dpo_with_lora_two_episodes(prefect_api, ray_session, tiny_model_
     assert changed and all(any(p in k for p in ("proj",)) for k in changed)
 
 
+RESUME_ARGS = [*SMALL, "runtime.save_episode_interval=1", "runtime.eval_episode_interval=0",
+               "runtime.enable_eval_before_training=false"]
+
+
 def train_engine(config, out, exp, tiny_model_dir, crash=None):
     from prefect.settings import PREFECT_API_URL
 
@@ -115,19 +119,28 @@ def train_engine(config, out, exp, tiny_model_dir, crash=None):
     env.pop("CHATLEARN_CRASH_AT", None)
     if crash:
         env["CHATLEARN_CRASH_AT"] = crash
-    args = [*SMALL, "runtime.save_episode_interval=1", "runtime.eval_episode_interval=0",
-            "runtime.enable_eval_before_training=false", f"runtime.exp_name={exp}"]
-    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", f"configs/{config}.yaml", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", f"configs/{config}.yaml", *RESUME_ARGS,
+                           f"runtime.exp_name={exp}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def train_here(config, out, exp, tiny_model_dir, monkeypatch):
+    """The same run as `train_engine` without a crash, in this process on the session's Ray (no process or Ray
+    to start): the reference a killed process's runs must reproduce."""
+    from flows import train_flow
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("CHATLEARN_OUTPUT_DIR", str(out))
+    monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
+    return train_flow(config_path=f"configs/{config}.yaml", overrides=[*RESUME_ARGS, f"runtime.exp_name={exp}"])
 
 
 @pytest.mark.parametrize("config", ["grpo", "dpo", "online_dpo"])
-def test_resume_after_sigkill_is_bit_identical(config, prefect_api, tiny_model_dir, tmp_path):
+def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session, tiny_model_dir, tmp_path,
+                                               monkeypatch):
     """Killed while episode 2 trains, then re-run: the uninterrupted run's final policy and rows, bit for bit
     (online DPO with LoRA: the adapters, the base check and the merged export resume too)."""
     timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths")
-    ref = train_engine(config, tmp_path, "ref", tiny_model_dir)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    train_here(config, tmp_path, "ref", tiny_model_dir, monkeypatch)
     killed = train_engine(config, tmp_path, "killed", tiny_model_dir, crash="after_generate:1")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     again = train_engine(config, tmp_path, "killed", tiny_model_dir)
