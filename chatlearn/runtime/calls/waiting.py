@@ -80,6 +80,13 @@ class StageClock:
         return firsts[0] if single else firsts
 
 
+def fetch(value: Any, timeout_s: float | None) -> Any:
+    """Inside a model process: an upstream result handed over as a ref nested in the arguments (Ray resolves
+    only top-level refs), fetched within the stage's limit (`runtime.stage_timeout_s`), so a producer that
+    never answers fails this call instead of holding its process past the driver's deadline."""
+    return ray.get(value, timeout=timeout_s) if isinstance(value, ray.ObjectRef) else value
+
+
 # Steps outside an episode (loading a large model in `setup`, exporting it) may take longer than a stage
 # limit tuned for the episodes; they get at least this much.
 MIN_STEP_TIMEOUT_S = 600.0

@@ -19,12 +19,9 @@ from chatlearn.config import ModelConfig, RuntimeConfig
 from chatlearn.data.batch import collate_samples, merge_batches
 from chatlearn.data.stream import training_batches
 from chatlearn.models.base_module import BaseModule
+from chatlearn.runtime.calls.waiting import fetch
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _resolve(value: Any) -> Any:
-    return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
 _DEFAULT_RESIDENT = ("weights",)
@@ -100,7 +97,7 @@ class ModelHost:
     # -- inference on upstream outputs ----------------------------------------------------------------------
     def forward(self, *inputs: Any, iteration: int = 0, is_eval: bool = False, keep_inputs: bool = False):
         """Run `forward_step`/`eval_step` on the merged inputs; with `keep_inputs` the output carries them."""
-        data = merge_batches(*[_resolve(x) for x in inputs])
+        data = merge_batches(*[fetch(x, self.runtime_args.stage_timeout_s) for x in inputs])
         out = self.module.eval_step(data) if is_eval else self.module.forward_step(data, iteration)
         if keep_inputs:
             out = merge_batches(data, out)
@@ -119,7 +116,7 @@ class ModelHost:
 
         Returns the mean of each metric over the steps and the trainer iteration reached.
         """
-        samples = _resolve(samples)
+        samples = fetch(samples, self.runtime_args.stage_timeout_s)
         rt = self.runtime_args
         steps = training_batches(samples, rt.train_micro_batch_size, rt.train_global_batch_size,
                                  rt.num_training_epoch, seed=self.module.seed, episode=episode,
@@ -141,7 +138,7 @@ class ModelHost:
         return self.module.get_weights()
 
     def set_weights(self, weights: Any) -> bool:
-        self.module.set_weights(_resolve(weights))
+        self.module.set_weights(fetch(weights, self.runtime_args.stage_timeout_s))
         return True
 
     @resident("weights", "optimizer")
@@ -165,7 +162,7 @@ class ModelHost:
         """Call any other public method of the module (e.g. `export_hf`, `info`)."""
         if method.startswith("_"):
             raise AttributeError(f"refusing to call private method {method!r}")
-        return getattr(self.module, method)(*[_resolve(a) for a in args], **kwargs)
+        return getattr(self.module, method)(*[fetch(a, self.runtime_args.stage_timeout_s) for a in args], **kwargs)
 
     @resident()
     def peak_memory(self) -> float:

@@ -17,11 +17,8 @@ from chatlearn.config import RuntimeConfig
 from chatlearn.data.batch import split_batch
 from chatlearn.data.relay import RelayBuffer, load_hook
 from chatlearn.data.stream import episode_training_samples
+from chatlearn.runtime.calls.waiting import fetch
 from chatlearn.utils.wire import packed
-
-
-def _resolve(value: Any) -> Any:
-    return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
 def experience_stats(samples: list[dict[str, Any]]) -> dict[str, float]:
@@ -47,7 +44,7 @@ class StreamDataset:
 
     def episode_samples(self, *batches: Any, episode: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
         """The episode's training samples (a ref owned by this actor) and the episode's experience stats."""
-        produced = [s for b in batches for s in split_batch(_resolve(b))]
+        produced = [s for b in batches for s in split_batch(fetch(b, self.rt.stage_timeout_s))]
         own, samples = episode_training_samples(produced, episode, self.relay, self.rt.stream_data_loader_type,
                                                 self.rt.sample_per_episode)
         stats = experience_stats(own)
@@ -62,7 +59,7 @@ class StreamDataset:
         returned them, and Ray lost track of such a ref once (the object was freed while still needed); an
         object put here has the same life as every other stage's output: made by a live actor, one hop away.
         """
-        return [ray.put(_resolve(b)) for b in batches]
+        return [ray.put(fetch(b, self.rt.stage_timeout_s)) for b in batches]
 
     def save_relay(self, directory: str) -> str | None:
         if not self.relay.enabled:
