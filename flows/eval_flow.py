@@ -17,7 +17,6 @@ from uuid import UUID
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
-from chatlearn.config import EngineChecks
 from chatlearn.runtime.cluster.launch import launch
 from chatlearn.runtime.prepared import handed_down, prepare_run
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
@@ -61,8 +60,8 @@ def _eval(config: ConfigParam | None = None, config_path: str | None = None, ove
         overrides += [f"models.policy.args_dict.model_path={outputs['final_policy']}",
                       f"runtime.output_dir={outputs['run_dir']}", "runtime.exp_name=eval"]
     # a direct call prepared the run before the flow run existed (unless it evaluates a train run's policy)
-    prepared = handed_down() or prepare_run(
-        config_of(config, config_path, overrides, [EngineChecks("eval", modules or {})]), modules, "eval")
+    prepared = handed_down() or prepare_run(config_of(config, config_path, overrides, "eval", modules), modules,
+                                            "eval")
     cfg, eng = prepared.cfg, prepared.engine
     with launch(prepared) as (run, _groups, _stream):
         result = evaluate(run, -1)

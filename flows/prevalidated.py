@@ -24,7 +24,7 @@ from prefect import Flow
 from prefect.context import FlowRunContext, TaskRunContext
 from pydantic import BeforeValidator
 
-from chatlearn.config import ChatLearnConfig, ConfigCheck, ConfigError, EngineChecks, load_config
+from chatlearn.config import ChatLearnConfig, ConfigError, EngineChecks, load_config
 from chatlearn.runtime.prepared import PreparedRun, handing_down, prepare_run
 from chatlearn.runtime.records.prefect_server import local_prefect_api
 
@@ -38,12 +38,15 @@ ConfigParam = Annotated[ChatLearnConfig, BeforeValidator(_load_if_not_config)]
 
 
 def config_of(config: Any = None, config_path: str | None = None, overrides: Sequence[str] | None = None,
-              checks: Sequence[ConfigCheck] = ()) -> ChatLearnConfig:
+              engine: str | None = None, modules: dict[str, Any] | None = None) -> ChatLearnConfig:
     """The config a flow's parameters name: `config` (a typed config, dict or path: the deployment's run
-    form) or `config_path` (a YAML file, default: the embedded default), with dotted `overrides` on top."""
+    form) or `config_path` (a YAML file, default: the embedded default), with dotted `overrides` on top,
+    checked for `engine` (default `runtime.engine`) with the `modules` given in code: one ConfigError lists
+    every problem."""
     if config is not None and config_path:
         raise ConfigError("config_path: give either config or config_path, not both")
-    return load_config(config if config is not None else config_path, list(overrides or ()), checks)
+    return load_config(config if config is not None else config_path, list(overrides or ()),
+                       [EngineChecks(engine, modules or {})])
 
 
 class PrevalidatedFlow(Flow):
@@ -69,7 +72,7 @@ class PrevalidatedFlow(Flow):
                 raise ConfigError("config: a prepared run takes no config_path or overrides")
             prepared: PreparedRun | None = config
         else:
-            cfg = config_of(config, config_path, overrides, [EngineChecks(engine, modules or {})])
+            cfg = config_of(config, config_path, overrides, engine, modules)
             inside = self.prepares_inside_with is not None and kwargs.get(self.prepares_inside_with) is not None
             prepared = None if inside else prepare_run(cfg, modules, engine)
         handing = handing_down(prepared) if prepared is not None else contextlib.nullcontext()

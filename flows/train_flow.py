@@ -34,7 +34,7 @@ from chatlearn.checkpoint.resume import (
     resume_point,
 )
 from chatlearn.checkpoint.run_config import inspect_run_dir, record_progress, record_start
-from chatlearn.config import ChatLearnConfig, EngineChecks
+from chatlearn.config import ChatLearnConfig
 from chatlearn.models.parallel import ParallelDims
 from chatlearn.runtime.calls.handles import RunHandle
 from chatlearn.runtime.calls.recovery import ProcessLost, alive_node_ids, process_loss
@@ -74,8 +74,7 @@ def _train(config: ConfigParam | None = None, config_path: str | None = None, ov
     # a direct call prepared the run before the flow run existed; a deployment run prepares it here: config
     # checks, model paths, data, prompt lengths (ConfigError, DataError) before any actor exists
     prepared = handed_down() or prepare_run(
-        deployment_run(config_of(config, config_path, overrides, [EngineChecks(engine, modules or {})])), modules,
-        engine)
+        deployment_run(config_of(config, config_path, overrides, engine, modules)), modules, engine)
     cfg = prepared.cfg
     run_dir = Path(cfg.runtime.run_dir)
     # one run per run directory until the end (RunError naming the holder; `chatlearn train` already holds it:
