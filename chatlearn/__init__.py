@@ -7,8 +7,8 @@ from chatlearn.config.current import get_config, init
 
 __version__ = "0.1.0"
 
-__all__ = ["BaseModule", "DPOEngine", "EvalEngine", "GRPOEngine", "OnlineDPOEngine", "RLHFEngine", "TorchModule",
-           "get_config", "init"]
+__all__ = ["BaseModule", "DPOEngine", "Engine", "Environment", "EvalEngine", "Evaluator", "GRPOEngine",
+           "GRPOMathEngine", "OnlineDPOEngine", "RLHFEngine", "TorchModule", "Trainer", "get_config", "init", "step"]
 
 _LAZY = {
     "Engine": "chatlearn.runtime.engine",
@@ -17,6 +17,11 @@ _LAZY = {
     "GRPOEngine": "chatlearn.runtime.engine",
     "DPOEngine": "chatlearn.runtime.engine",
     "OnlineDPOEngine": "chatlearn.runtime.engine",
+    "GRPOMathEngine": "chatlearn.runtime.engine",
+    "Environment": "chatlearn.runtime.compute_flow",
+    "Trainer": "chatlearn.runtime.compute_flow",
+    "Evaluator": "chatlearn.runtime.compute_flow",
+    "step": "chatlearn.runtime.compute_flow",
     "EpisodePlan": "chatlearn.runtime.plan",
     "BaseModule": "chatlearn.models",
     "TorchModule": "chatlearn.models",

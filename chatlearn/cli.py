@@ -64,8 +64,8 @@ def cmd_config(items: list[str], check: bool = False) -> int:
 
 def cmd_plan(items: list[str], nodes: int, gpus_per_node: int, cpus_per_node: float | None) -> int:
     cfg = _load(items)
-    spec = ENGINES[engine_name(cfg)]
-    names = [r for r in spec.roles if r in cfg.models]
+    spec = ENGINES.get(engine_name(cfg))
+    names = [r for r in spec.roles if r in cfg.models] if spec is not None else list(cfg.models)
     plan = plan_placement(cfg, names, uniform_cluster(nodes, gpus_per_node, cpus_per_node))
     for msg in plan.warnings:
         print(f"chatlearn: warning: placement: {msg}", file=sys.stderr)
@@ -96,8 +96,7 @@ def cmd_eval(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
     from chatlearn.runtime.calls.stopping import stop_on_signals
     from chatlearn.runtime.cluster.launch import check_local_placement
-    from chatlearn.runtime.engine import engine_of
-    from chatlearn.runtime.plan import resolve_engine
+    from chatlearn.runtime.engine import engine_of, resolve_engine
     from chatlearn.runtime.prepared import prepare_run
     from chatlearn.runtime.records.prefect_server import local_prefect_api
 
@@ -119,8 +118,7 @@ def cmd_train(items: list[str]) -> int:
     from chatlearn.checkpoint.resume import checkpoint_dirs
     from chatlearn.runtime.calls.stopping import stop_on_signals
     from chatlearn.runtime.cluster.launch import check_local_placement
-    from chatlearn.runtime.engine import engine_of
-    from chatlearn.runtime.plan import resolve_engine
+    from chatlearn.runtime.engine import engine_of, resolve_engine
     from chatlearn.runtime.prepared import prepare_run
     from chatlearn.runtime.records.prefect_server import local_prefect_api
 

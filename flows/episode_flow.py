@@ -17,6 +17,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from chatlearn.runtime.calls.handles import RunHandle
 from chatlearn.runtime.calls.recovery import kill_point
+from chatlearn.runtime.plan import EpisodePlan
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
 from flows.stage_tasks import checkpoint, evaluate, generate, score, sync, train
@@ -27,8 +28,12 @@ def _run_name() -> str:
     return f"episode-{flow_run.parameters['episode'] + 1}"
 
 
-# six stage tasks at most wait at once (each blocks on its upstream future, then on its actors)
-@flow(name="episode", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=6),
+STAGES = 6
+
+
+# the stage tasks wait at once (each blocks on its upstream future, then on its calls); `episode_runner` adds a
+# thread for each call of the engine's flows
+@flow(name="episode", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=STAGES),
       validate_parameters=False)
 def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int) -> dict[str, Any]:
     """Run one episode; returns its metrics (small numbers only)."""
@@ -39,7 +44,7 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
     # one stage at a time after train: a model replica of several processes runs collectives (FSDP gathers,
     # tensor-parallel forward), and two stages' calls reaching its ranks in different orders deadlock them
     saved = checkpoint.submit(run, episode, trained, wait_for=[synced])
-    eval_due = every(run.eval_episode_interval, episode)
+    eval_due = run.plan.evaluator is not None and every(run.eval_episode_interval, episode)
     evaluated = evaluate.submit(run, episode, synced, trained, wait_for=[saved]) if eval_due else None
     rollouts.wait()
     crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
@@ -60,3 +65,11 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
         timing["eval"] = ev["seconds"]
     metrics["stage_seconds"] = timing
     return metrics
+
+
+def episode_runner(plan: EpisodePlan) -> Any:
+    """`episode_flow` with a thread for every stage task and every call of the engine's flows: a call's task run
+    (``flows/model_calls.py``) runs on the episode's task runner while its stage task waits for it, so a pool
+    any smaller could leave a stage waiting on calls with no thread to run them."""
+    calls = sum(len(f.nodes) for f in (plan.environment, plan.trainer, plan.evaluator) if f is not None)
+    return episode_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=STAGES + calls))

@@ -15,7 +15,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect_ray.context import remote_options
 from prefect_ray.task_runners import PrefectRayFuture
 
-from chatlearn.models.rule import RuleSpec
+from chatlearn.data.batch import merge_batches
+from chatlearn.models.rule import RuleSpec, score_key
 from chatlearn.runtime.calls.handles import RefBox, RunHandle
 from chatlearn.runtime.calls.waiting import StageClock
 from flows.ray_tasks import ray_task_runner
@@ -23,10 +24,10 @@ from flows.ray_tasks import ray_task_runner
 
 @task(name="rule-reward", cache_policy=NO_CACHE)
 def rule_reward(batch: RefBox, rule: RuleSpec, episode_start: int | None = None) -> list[float]:
-    """A rule reward on one batch (``batch.refs[0]``, generated already: a fetch), in a Ray worker. An error
-    (a RewardError) names the hook and the sample, by its index in the episode when ``episode_start`` (the
-    episode's first ``sample_id``) is given."""
-    return rule.score(ray.get(batch.refs[0], timeout=rule.timeout_s), episode_start)
+    """A rule reward on one batch (the merged outputs of the calls it reads, ``batch.refs``, made already: a
+    fetch), in a Ray worker. An error (a RewardError) names the hook and the sample, by its index in the episode
+    when ``episode_start`` (the episode's first ``sample_id``) is given."""
+    return rule.score(merge_batches(*ray.get(batch.refs, timeout=rule.timeout_s)), episode_start)
 
 
 class RuleFuture:
@@ -46,17 +47,19 @@ class RuleFuture:
         return self.future.result()  # done: the scores, or the task's error raised again
 
     def output(self, clock: StageClock) -> dict[str, torch.Tensor]:
-        """The rule's output as a scorer's: ``{"scores": float32 tensor}``, merged into the batch."""
-        return {"scores": torch.tensor(self.result(clock), dtype=torch.float32)}
+        """The rule's scores as an input of its model's call: ``{"rewards/<model>": float32 tensor}`` (the
+        reward module takes its own scores from there: `chatlearn.models.hf.reward`)."""
+        return {score_key(self.model): torch.tensor(self.result(clock), dtype=torch.float32)}
 
 
-def fan_out_rule(run: RunHandle, model: str, batches: list[Any], episode_start: int | None = None) -> list[RuleFuture]:
-    """One `rule-reward` Prefect task per batch on Ray, all in parallel, each with the rule's CPUs (no Ray
-    retries: a retried task would try to enter Running again); their futures in batch order.
-    ``episode_start``: see `rule_reward`."""
+def fan_out_rule(run: RunHandle, model: str, batches: list[list[Any]],
+                 episode_start: int | None = None) -> list[RuleFuture]:
+    """One `rule-reward` Prefect task per batch (the refs of the outputs it reads) on Ray, all in parallel, each
+    with the rule's CPUs (no Ray retries: a retried task would try to enter Running again); their futures in
+    batch order. ``episode_start``: see `rule_reward`."""
     rule = run.rule_rewards[model]
     runner = ray_task_runner()
     with remote_options(num_cpus=rule.num_cpus, max_retries=0):
-        return [RuleFuture(runner.submit(rule_reward, {"batch": RefBox([b]), "rule": rule,
+        return [RuleFuture(runner.submit(rule_reward, {"batch": RefBox(list(refs)), "rule": rule,
                                                        "episode_start": episode_start}), model)
-                for b in batches]
+                for refs in batches]

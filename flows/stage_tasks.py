@@ -21,16 +21,18 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from chatlearn.data.batch import merge_batches
 from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
 from chatlearn.runtime.calls.handles import RefBox, RunHandle
 from chatlearn.runtime.calls.waiting import StageClock
+from chatlearn.runtime.compute_flow import BATCH
 from chatlearn.runtime.records.evaluation import eval_metrics, eval_results
 from chatlearn.runtime.records.reporting import artifact_key
 from chatlearn.runtime.schedule import checkpoint_due, every
 from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.utils.errors import RunError, find_run_error
 from chatlearn.utils.storage import writing
-from flows.rule_tasks import fan_out_rule
+from flows.model_calls import Batches, run_calls
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -86,70 +88,59 @@ def in_stage(stage: str) -> Callable[[F], F]:
 @task(name="generate", cache_policy=NO_CACHE)
 @in_stage("generate")
 def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
-    """The producer samples responses for this episode's prompts, batches dealt over its replicas."""
+    """The environment's first call (the producer) answers this episode's prompts, batches dealt over its
+    replicas."""
     clock = StageClock("generate", episode, run.stage_timeout_s)
-    heads = run.heads(run.plan.producer)
-    batches = episode_generation_batches(run.dataset_size, consumed_samples, run.sample_per_episode,
-                                         run.generation_batch_size, len(heads), run.shuffle_seed, run.group_size)
-    first_iteration = episode * len(batches)
-    outer = []
-    for i, (r, idx, ids) in enumerate(batches):
-        # stream positions identify samples: per-sample seeds make responses independent of the batching
-        outer.append(heads[r].generate.remote(idx, first_iteration + i, sample_ids=ids, group_size=run.group_size))
-    refs = clock.get(outer)  # waits for generation; only the small refs owned by the actors
-    return RefBox(refs, seconds=clock.seconds(), num_batches=len(batches),
-                  num_samples=sum(len(idx) for _, idx, _ in batches), first_iteration=first_iteration,
+    flow = run.plan.environment
+    replicas = len(run.actors[flow.producer.model])
+    prompts = episode_generation_batches(run.dataset_size, consumed_samples, run.sample_per_episode,
+                                         run.generation_batch_size, replicas, run.shuffle_seed, run.group_size)
+    first_iteration = episode * len(prompts)
+    # stream positions identify samples: per-sample seeds make responses independent of the batching
+    batches = Batches(len(prompts), first_iteration, prompts, episode_start=consumed_samples)
+    done = run_calls(run, flow, [0], {}, batches, clock)
+    return RefBox(done[0].refs, seconds=clock.seconds(), num_batches=len(prompts),
+                  num_samples=sum(len(idx) for _, idx, _ in prompts), first_iteration=first_iteration,
                   episode=episode, first_sample_id=consumed_samples)
 
 
 @task(name="score", cache_policy=NO_CACHE)
 @in_stage("score")
 def score(run: RunHandle, rollouts: RefBox) -> RefBox:
-    """Scorers (reference, value) run on each rollout batch in parallel; the final model (reward) merges.
-
-    A rule reward (``fan_out``) is one more scorer: one `rule-reward` Prefect task per batch on Ray
-    (`flows.rule_tasks`) while the other scorers run, whose ``{"scores"}`` joins their outputs; the final
-    model's actor then only turns the scores into the experience (advantages)."""
-    plan = run.plan
+    """The rest of the environment flow on the rollouts: each call a task run, calls that do not read each other
+    at once; the returned calls' outputs are the experience. A rule reward's batches are Prefect tasks on Ray
+    (`flows.rule_tasks`)."""
+    flow = run.plan.environment
     clock = StageClock("score", rollouts.meta.get("episode", -1), run.stage_timeout_s)
-    if not plan.final and not plan.scorers:  # offline DPO: the producer's output is the experience
-        refs = clock.get(run.stream().hold.remote(*rollouts.refs), "the stream dataset")
-        return RefBox(refs, seconds=clock.seconds())
-    if not plan.final:
-        raise ValueError("the episode plan has no final model to merge the rollouts and the scores into")
-    scorer_heads = {name: run.heads(name) for name in plan.scorers}
-    final_heads = run.heads(plan.final)
-    rules = (fan_out_rule(run, plan.final, rollouts.refs, rollouts.meta.get("first_sample_id"))
-             if plan.final in run.rule_rewards else None)
-    parts = []
-    for i, g in enumerate(rollouts.refs):
-        it = rollouts.meta["first_iteration"] + i
-        parts.append([heads[i % len(heads)].forward.remote(g, iteration=it) for heads in scorer_heads.values()])
-    outs = []
-    for i, g in enumerate(rollouts.refs):
-        it = rollouts.meta["first_iteration"] + i
-        rule = [rules[i].output(clock)] if rules is not None else []
-        outs.append(final_heads[i % len(final_heads)].forward.remote(g, *parts[i], *rule, iteration=it,
-                                                                     keep_inputs=True))
-    # the final model's calls wait for the scorers' (rank 0's) results; the scorers' other ranks count too
-    refs = clock.get([*outs, *(c for p in parts for c in p)])[:len(outs)]
-    return RefBox(refs, seconds=clock.seconds())
+    batches = Batches(len(rollouts.refs), rollouts.meta["first_iteration"],
+                      episode_start=rollouts.meta.get("first_sample_id"))
+    done = run_calls(run, flow, list(range(1, len(flow.nodes))), {0: RefBox(rollouts.refs)}, batches, clock)
+    outputs = [done[i].refs for i in flow.outputs()]
+    if flow.outputs() == [0]:  # offline DPO: the producer's output is the experience, held one hop away
+        return RefBox(clock.get(run.stream().hold.remote(*outputs[0]), "the stream dataset"),
+                      seconds=clock.seconds())
+    # several returned calls: the stream dataset merges them per batch
+    return RefBox([list(parts) for parts in zip(*outputs, strict=True)] if len(outputs) > 1 else outputs[0],
+                  seconds=clock.seconds(), merged=len(outputs) > 1)
 
 
 @task(name="train", cache_policy=NO_CACHE)
 @in_stage("train")
 def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int) -> dict[str, Any]:
-    """The StreamDataset shapes the episode's samples (loader type, relay); every trainer trains on them."""
+    """The StreamDataset shapes the episode's samples (loader type, relay); the trainer flow's train_step calls
+    train on them, each a task run, at once."""
     clock = StageClock("train", episode, run.stage_timeout_s)
-    samples_ref, metrics = clock.get(run.stream().episode_samples.remote(*experience.refs, episode=episode),
+    parts = experience.refs if experience.meta.get("merged") else [[r] for r in experience.refs]
+    samples_ref, metrics = clock.get(run.stream().episode_samples.remote(parts, episode=episode),
                                      "the stream dataset")
-    calls = {name: run.heads(name)[0].train.remote(samples_ref, episode=episode, start_iteration=start_iteration,
-                                                   group_size=run.group_size)
-             for name in run.plan.trainers}
-    results = dict(zip(calls, clock.get(list(calls.values())), strict=True))
-    for res in results.values():
+    flow = run.plan.trainer
+    batches = Batches(1, start_iteration, train={"episode": episode, "start_iteration": start_iteration,
+                                                 "group_size": run.group_size})
+    done = run_calls(run, flow, list(range(len(flow.nodes))), {BATCH: RefBox([samples_ref])}, batches, clock)
+    results = [done[i].refs[0] for i in range(len(flow.nodes))]
+    for res in results:
         metrics.update({k: v for k, v in res.items() if k not in ("iteration", "num_steps", "num_samples")})
-    first = results[run.plan.trainers[0]] if results else {}
+    first = results[0] if results else {}
     metrics["iteration"] = first.get("iteration", start_iteration)
     metrics["train_steps"] = first.get("num_steps", 0)
     metrics["seconds"] = clock.seconds()
@@ -197,26 +188,18 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
 @task(name="eval", cache_policy=NO_CACHE)
 @in_stage("eval")
 def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: dict | None = None) -> dict[str, Any]:
-    """The producer's eval responses (greedy by default) on the eval set, scored by the evaluator model, then
-    `runtime.eval_post_process_fn(results, {"episode_iteration", "train_iteration"})` turns the per-sample
-    results into metrics (ChatLearn's post_process_func); the default is the mean score."""
+    """The evaluator flow on the eval set: its first call answers (greedy by default), the returned calls score
+    the answers; then `runtime.eval_post_process_fn(results, {"episode_iteration", "train_iteration"})` turns the
+    per-sample results into metrics (ChatLearn's post_process_func); the default is the mean score."""
     clock = StageClock("eval", episode, run.stage_timeout_s)
-    plan = run.plan
-    heads = run.heads(plan.producer)
-    scorer = run.heads(plan.evaluator) if plan.evaluator else []
-    batches = eval_prompt_batches(run.eval_dataset_size, run.generation_batch_size, len(heads))
-    rule = plan.evaluator in run.rule_rewards
-    gens = [heads[r].generate.remote(idx, i, is_eval=True) for i, (r, idx) in enumerate(batches)]
-    scored = ([scorer[i % len(scorer)].forward.remote(g, is_eval=True, keep_inputs=True) for i, g in enumerate(gens)]
-              if scorer and not rule else [])
-    # the last call of each batch is its result; every call's ranks are waited for
-    out_refs = clock.get([*gens, *scored])[-len(batches):] if batches else []
-    if rule:  # the rule reward's tasks score the eval batches, in parallel
-        rules = fan_out_rule(run, plan.evaluator, out_refs, episode_start=0)
-        out_batches = [{**b, **r.output(clock)} for b, r in zip(clock.get(out_refs), rules, strict=True)]
-    else:
-        out_batches = clock.get(out_refs)
-    results = eval_results(out_batches)
+    flow = run.plan.evaluator
+    replicas = len(run.actors[flow.producer.model])
+    prompts = [(r, idx, None) for r, idx in eval_prompt_batches(run.eval_dataset_size, run.generation_batch_size,
+                                                               replicas)]
+    batches = Batches(len(prompts), 0, prompts, is_eval=True, episode_start=0)
+    done = run_calls(run, flow, list(range(len(flow.nodes))), {}, batches, clock)
+    outputs = [clock.get(done[i].refs, flow.nodes[i].name) for i in flow.outputs()]
+    results = eval_results([merge_batches(*parts) for parts in zip(*outputs, strict=True)])
     context = {"episode_iteration": episode, "train_iteration": (trained or {}).get("iteration")}
     metrics = eval_metrics(results, context, run.eval_post_process_fn)
     examples = [{"prompt": r.get("prompt"), "response": r.get("response"), "score": r.get("scores")}

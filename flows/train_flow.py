@@ -53,7 +53,7 @@ from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.faults import crash_point
 from chatlearn.utils.storage import writing
-from flows.episode_flow import episode_flow
+from flows.episode_flow import episode_runner
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
@@ -197,7 +197,7 @@ def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, gr
              run.stage_timeout_s)
     params = _parameter_counts(heads, eng.plan.trainers, run.stage_timeout_s)
     if eng.name == "grpo":  # say where the ratio's old log-probs come from
-        src = ("the trainer's forward pass in the score stage" if eng.plan.trainers[0] in eng.plan.scorers
+        src = ("the trainer's forward pass in the score stage" if eng.plan.calls(eng.plan.trainers[0], "forward_step")
                else "generation (the policy holds the trainer's weights, synced every episode)")
         sys.stderr.write(f"old log-probs: {src}\n")
     startup = time.perf_counter() - t_start
@@ -309,6 +309,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         print(f"eval before training: eval_reward_mean={initial_eval:.4g}")
     released_before = _released_bytes(groups, run.stage_timeout_s)
     hosts = [h for g in groups.values() for h in g.actors]  # every rank of every model: ChatLearn's episode hooks
+    run_episode = episode_runner(run.plan)
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
@@ -319,7 +320,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             # tells Prefect the run is alive
             wait([h.before_episode.remote() for h in hosts], "before_episode", run.stage_timeout_s)
             with instruments.episode(episode), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                metrics = episode_flow(run, episode, consumed, iteration)
+                metrics = run_episode(run, episode, consumed, iteration)
             wait([h.after_episode.remote() for h in hosts], "after_episode", run.stage_timeout_s)
             consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
             if initial_eval is not None and episode == 0:

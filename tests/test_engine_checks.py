@@ -117,7 +117,9 @@ def test_sync_frequency_minus_one_is_fine_where_no_weights_arrive():
 
 def test_engine_models_and_data():
     problems, _ = check("runtime.engine=ppo")
-    assert problems == ["runtime.engine: unknown engine 'ppo'; known: ['dpo', 'eval', 'grpo', 'online_dpo', 'rlhf']"]
+    assert problems == ["runtime.engine: unknown engine 'ppo'; known: ['dpo', 'eval', 'grpo', 'grpo_math', "
+                        "'online_dpo', 'rlhf'], or an Engine subclass as 'package.module:Class' (or 'file.py:Class' "
+                        "next to the config)"]
     problems, _ = check("models.critic.num_cpu=1", "runtime.data_path=null")
     assert problems == [
         "models.critic: the rlhf engine does not use a model named 'critic' (it uses policy, reference, reward, "
@@ -245,7 +247,7 @@ def test_an_engine_built_in_code_under_another_runtime_engine_runs_its_own_estim
     # the reward takes its default from runtime.engine: the prepared run of a grpo engine built in code (or named
     # by the flow's engine argument) under runtime.engine rlhf records grpo, so its reward runs 'grpo', not GAE
     import chatlearn.runtime.prepared as prepared
-    from chatlearn.runtime.plan import resolve_engine
+    from chatlearn.runtime.engines import resolve_engine
 
     monkeypatch.setattr(prepared, "preflight", lambda cfg, eng: None)  # no data or model files needed here
     cfg = load_config(os.path.join(REPO, "configs", "grpo.yaml"), ["runtime.engine=rlhf"], [EngineChecks("grpo")])

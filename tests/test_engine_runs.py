@@ -187,15 +187,71 @@ def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_ap
                ray.put({"sample_id": [3], "prompt": ["max 5 ?"], "response": ["5"], "answer": ["5"]})]
 
     def handle(num_cpus):
-        return RunHandle(namespace="x", actors={}, plan=EpisodePlan(producer="policy"), dataset_size=1,
+        return RunHandle(namespace="x", actors={}, plan=EpisodePlan(), dataset_size=1,
                          run_dir="x", exp_name="x", sample_per_episode=1,
                          generation_batch_size=1,
                          rule_rewards={"reward": RuleSpec(reward_fn=fn, timeout_s=10, num_cpus=num_cpus)})
 
     clock = StageClock("score", 0, 60)
-    futures = fan_out_rule(handle(0.5), "reward", batches)
+    futures = fan_out_rule(handle(0.5), "reward", [[b] for b in batches])
     assert [f.result(clock) for f in futures] == [[1.0, pytest.approx(0.5 * (1 - 6 / 9))], [1.0]]
-    pending = fan_out_rule(handle(64), "reward", batches[:1])[0]
+    pending = fan_out_rule(handle(64), "reward", [batches[:1]])[0]
     with pytest.raises(ray.exceptions.GetTimeoutError):
         ray.get(pending.ref, timeout=3)
     ray.cancel(pending.ref, force=True)
+
+
+def test_an_engine_of_ones_own_two_rewards_and_a_filter_step(prefect_api, ray_session, tiny_model_dir, tmp_path):
+    """examples/custom_engine.yaml: a user's Engine (examples/custom_engine.py, named by runtime.engine) with two
+    rule rewards combined by weight and a filter step. One episode and its eval: the combined reward is the
+    weighted sum of the two, logged by name; the step's task run reads the reward's; the run graph is the flow."""
+    import asyncio
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentTaskRunId
+
+    from chatlearn.config import load_config
+    from flows.train_flow import train_flow
+
+    path = os.path.join(REPO, "examples", "custom_engine.yaml")
+    cfg = load_config(path, ["runtime.num_episode=1", "runtime.sample_per_episode=32",
+                             "runtime.generation_batch_size=32", "runtime.train_micro_batch_size=16",
+                             "runtime.train_global_batch_size=32", "runtime.eval_episode_interval=1",
+                             "runtime.enable_eval_before_training=false", f"runtime.output_dir={tmp_path}",
+                             *(f"models.{m}.args_dict.model_path={tiny_model_dir}"
+                               for m in ("policy", "reference", "ppo_policy"))])
+    result = train_flow(cfg)
+    (row,) = rows_of(tmp_path / "custom_engine")
+    # reward_weights {answer: 1.0, format: 0.5}: the trained score is the weighted sum, each reward logged
+    assert row["reward_mean"] == pytest.approx(row["rewards/answer_mean"] + 0.5 * row["rewards/format_mean"],
+                                               abs=1e-6)
+    # the filter keeps whole prompt groups of 8 (those whose scores differ)
+    assert row["num_samples"] % 8 == 0 and 0 < row["num_samples"] <= 32
+    assert "eval_reward_mean" in result
+
+    async def calls():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=False)), limit=200)
+            episode = next(r for r in runs if r.name == "episode-1"
+                           and r.parameters.get("run", {}).get("exp_name") == "custom_engine")
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[episode.id])))
+            return episode, tasks
+
+    episode, tasks = asyncio.run(calls())
+    by_name = {t.name: t for t in tasks}
+    assert {"policy.forward_step", "reference.forward_step", "format.score_step", "answer.forward_step",
+            "drop_uniform_groups", "ppo_policy.train_step", "policy.eval_forward",
+            "answer.eval_forward"} <= set(by_name)
+    reads = {i.id for i in by_name["drop_uniform_groups"].task_inputs["upstream"]}
+    assert reads == {by_name["answer.forward_step"].id}
+    assert {i.id for i in by_name["answer.forward_step"].task_inputs["upstream"]} == {
+        by_name["reference.forward_step"].id, by_name["format.score_step"].id}
+    # the run graph in the UI: the episode's page, rendered by headless Chromium (README screenshot)
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.test_deployments import BROWSER_OUT, chromium
+
+    text, _ = chromium(f"{PREFECT_API_URL.value().removesuffix('/api')}/runs/flow-run/{episode.id}",
+                       BROWSER_OUT / "custom-engine-graph.png")
+    assert "episode-1" in text

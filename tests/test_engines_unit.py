@@ -107,9 +107,10 @@ def test_rule_reward_errors_name_the_sample():
 
 def test_fanned_out_scores_are_used_as_given():
     reward = bound(RuleReward, "reward", {"reward_fn": "chatlearn.tasks.max_digit:max_digit_reward"})
-    data = {"prompt": ["a", "b"], "response": ["x", "y"], "answer": ["1", "2"], "scores": [0.25, 0.75]}
+    data = {"prompt": ["a", "b"], "response": ["x", "y"], "answer": ["1", "2"], "rewards/reward": [0.25, 0.75]}
     assert reward.score(data).tolist() == [0.25, 0.75]
-    data.pop("scores")
+    data["scores"] = [0.5, 0.5]  # another call's scores are not this reward's
+    data.pop("rewards/reward")
     assert reward.score(data).tolist() == [0.0, 0.0]
 
 

@@ -29,7 +29,7 @@ def tiny(tiny_model_dir, monkeypatch):
 
 def checked(tmp_path, *overrides, config=DEFAULT, engine=None):
     """preflight of `config` with `overrides` (output under tmp_path)."""
-    from chatlearn.runtime.plan import resolve_engine  # torch-heavy: only the tests that resolve modules
+    from chatlearn.runtime.engines import resolve_engine  # torch-heavy: only the tests that resolve modules
 
     cfg = load_config(config, [f"runtime.output_dir={tmp_path / 'out'}", *overrides], [EngineChecks(engine)])
     return preflight(cfg, resolve_engine(cfg, None, engine))

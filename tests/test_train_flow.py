@@ -141,11 +141,27 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     assert all(r.state.is_completed() for r in runs if r.name in ("episode-1", "episode-2"))
     # the rule reward scores each generation batch in a Prefect task run of its own (on Ray), under the
     # stage's task run: 128 samples / generation batch 64 = 2 per episode, and 2 more for episode 2's eval
-    stages = {t.id: t.name.rsplit("-", 1)[0] for t in tasks}
+    by_id = {t.id: t for t in tasks}
+
+    def parent(t):
+        return by_id[t.task_inputs["__parents__"][0].id].name.rsplit("-", 1)[0]
+
     rule = [t for t in tasks if t.name.startswith("rule-reward-")]
     assert all(t.state.is_completed() for t in rule)
-    parents = sorted(stages[t.task_inputs["__parents__"][0].id] for t in rule)
-    assert parents == ["eval"] * 2 + ["score"] * 4
+    assert sorted(parent(t) for t in rule) == ["reward.eval_forward"] * 2 + ["reward.forward_step"] * 4
+    # each call of the engine's compute flows is a task run named after the model and method, under the stage
+    # that runs it, with the calls it reads as its upstream inputs (the UI's run graph is the flow)
+    second = next(r.id for r in runs if r.name == "episode-2")
+    call_runs = {t.name: t for t in tasks if t.flow_run_id == second and "." in t.name}
+    assert {name: parent(t) for name, t in call_runs.items()} == {
+        "policy.forward_step": "generate", "reference.forward_step": "score", "value.forward_step": "score",
+        "reward.forward_step": "score", "ppo_policy.train_step": "train", "ppo_value.train_step": "train",
+        "policy.eval_forward": "eval", "reward.eval_forward": "eval"}
+    reads = {i.id for i in call_runs["reward.forward_step"].task_inputs["upstream"]}
+    assert reads == {call_runs["reference.forward_step"].id, call_runs["value.forward_step"].id}
+    # reference and value do not read each other: their task runs are running at the same time
+    ref, val = call_runs["reference.forward_step"], call_runs["value.forward_step"]
+    assert ref.start_time < val.end_time and val.start_time < ref.end_time
     keys = {a.key for a in arts}
     assert {"default-progress", "default-metrics", "default-eval-examples"} <= keys
     # the eval hook of the default config adds exact match to the rows (an exact answer scores 1.0)
@@ -179,20 +195,58 @@ def live_actor_names(namespace):
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
 
 
-def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, tiny_model_dir, tmp_path,
-                                                    monkeypatch):
+def test_chatlearns_custom_flow_example_runs_unchanged(prefect_api, ray_session, tiny_model_dir, tmp_path,
+                                                       monkeypatch):
+    """ChatLearn's documented custom flow ("Use Engine directly to construct a custom process", its
+    docs/en/tutorial/custom_model_flow.md), written as its docs write it, with our modules under its names: one
+    episode and its eval. Its rewards are those the policy and the rule give in-process (the simple path)."""
     import chatlearn
+    from chatlearn import Engine, Environment, Evaluator, Trainer
     from chatlearn.config import EngineChecks
+    from chatlearn.data.prompts import load_records
     from chatlearn.models.hf.policy import PolicyInference
-    from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer, PPOValueTrainer
-    from chatlearn.models.hf.reference import ReferenceModel
-    from chatlearn.models.hf.value import ValueModel
+    from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer as PolicyTrainer
+    from chatlearn.models.hf.ppo_trainer import PPOValueTrainer as ValueTrainer
+    from chatlearn.models.hf.reference import ReferenceModel as PolicyReference
+    from chatlearn.models.hf.value import ValueModel as ValueInference
 
+    RewardInference = HookedReward  # noqa: N806  # the example's class name for a reward module
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
-    chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine", "runtime.save_episode_interval=1"))
-    engine = chatlearn.RLHFEngine(PolicyInference("policy"), ReferenceModel("reference"), HookedReward("reward"),
-                                  ValueModel("value"), PPOPolicyTrainer("ppo_policy"), PPOValueTrainer("ppo_value"))
+    # an Engine of one's own has no default advantage estimator: the reward that makes the experience names GAE
+    cfg = chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine", "runtime.save_episode_interval=1",
+                                      "runtime.eval_episode_interval=1",
+                                      "models.reward.args_dict.advantage_estimator=gae"))
+    train_prompts, val_prompts = load_records(cfg.runtime.data_path), load_records(cfg.runtime.eval_data_path)
+
+    # -- the example, as ChatLearn's docs write it ------------------------------------------------------------
+    policy = PolicyInference("policy")
+    value = ValueInference("value")
+    reference = PolicyReference("reference")
+    reward = RewardInference("reward")
+    ppo_policy = PolicyTrainer("ppo_policy")
+    ppo_value = ValueTrainer("ppo_value")
+    def env_flow(batch):
+        policy_out = policy.forward_step(batch)
+        ref_out = reference.forward_step(policy_out)
+        value_out = value.forward_step(policy_out)
+        reward_out = reward.forward_step(policy_out, ref_out, value_out)
+        return reward_out
+    def trainer_flow(batch):
+        ppo_policy.train_step(batch)
+        ppo_value.train_step(batch)
+    def eval_flow(batch):
+        r0 = policy.eval_step(batch)
+        r1 = reward.eval_step(r0)
+        return r1
+    env = Environment(env_flow)
+    trainer = Trainer(trainer_flow)
+    evaluator = Evaluator(eval_flow).set_dataset(val_prompts)
+    engine = Engine(env, trainer, evaluator) \
+             .set_parameter_sync(ppo_policy, policy) \
+             .set_parameter_sync(ppo_value, value) \
+             .set_dataset(train_prompts)
+    # ---------------------------------------------------------------------------------------------------------
     import chatlearn.runtime.prepared as prepared
 
     runs, reads = [], []
@@ -201,13 +255,17 @@ def test_rlhf_engine_learn_with_user_module_objects(prefect_api, ray_session, ti
     monkeypatch.setattr(prepared, "preflight", lambda cfg, eng: reads.append(eng.name) or preflight(cfg, eng))
     result = engine.learn()
     # learn() prepares the run once (checks with these modules, data read); the flow's call and body take it
-    assert len(runs) == 1 and type(runs[0]["ppo_policy"]) is PPOPolicyTrainer
-    assert reads == ["rlhf"]
+    assert len(runs) == 1 and type(runs[0]["ppo_policy"]) is PolicyTrainer
+    assert reads == ["engine"]
     assert result["episode"] == 0 and result["train_steps"] == 1
+    # the records given in code were generated on and scored as the policy and the rule do in-process
+    first, _ = rewards_in_process(cfg)
+    assert result["reward_mean"] == pytest.approx(sum(first) / len(first), abs=1e-6)
+    assert 0 <= result["eval_reward_mean"] <= 1
     # ChatLearn's episode hooks ran around the one episode
     assert (tmp_path / "engine" / "hooks.log").read_text().split() == ["before", "after"]
     rows = (tmp_path / "engine" / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == 1 and "eval_reward_mean" not in json.loads(rows[0])
+    assert len(rows) == 1
     # save_episode_interval=1: both trainers saved at trainer iteration 1
     paths = json.loads(rows[0])["checkpoint_paths"]
     assert set(paths) == {"ppo_policy", "ppo_value"}

@@ -7,6 +7,7 @@ problem. Plain ``chatlearn config`` does not run them: it resolves any config Ch
 """
 
 import contextlib
+import inspect
 import os
 import sys
 import warnings
@@ -48,6 +49,8 @@ class EngineChecks:
 
     engine: str | None = None
     modules: Mapping[str, Any] = field(default_factory=dict)
+    spec: EngineSpec | None = None  # an engine built in code that is not a registered one gives its own
+    data_given: bool = False  # the engine was given its prompts in code (``set_dataset``)
 
     def __call__(self, cfg: ChatLearnConfig) -> list[str]:
         with _py_modules_importable(cfg), user_code(cfg):
@@ -55,9 +58,13 @@ class EngineChecks:
 
     def _problems(self, cfg: ChatLearnConfig) -> list[str]:
         name = engine_name(cfg, self.engine)
-        spec = ENGINES.get(name)
+        spec = self.spec or ENGINES.get(name)
         if spec is None:
-            return [f"runtime.engine: unknown engine {name!r}; known: {sorted(ENGINES)}"]
+            spec, problem = _imported_spec(name)
+            if spec is None:
+                return [problem]
+        if self.data_given:
+            spec = spec._replace(needs_train_data=False)
         roles = [r for r in spec.roles if r in cfg.models or r in self.modules]
         problems = _roles(name, spec, cfg, self.modules)
         problems += _data(name, spec, cfg)
@@ -73,6 +80,24 @@ class EngineChecks:
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
         return problems
+
+
+def _imported_spec(name: str) -> tuple[EngineSpec | None, str]:
+    """The spec of an engine class named by import path (``package.module:Class``, or ``file.py:Class`` next to
+    the config): its models are its constructor's parameters (as ChatLearn's engines take them)."""
+    known = f"runtime.engine: unknown engine {name!r}; known: {sorted(ENGINES)}, or an Engine subclass as " \
+            "'package.module:Class' (or 'file.py:Class' next to the config)"
+    if ":" not in name:
+        return None, known
+    try:
+        cls = import_object(name, "Class")
+    except ValueError as exc:
+        return None, f"runtime.engine: {exc}"
+    if not isinstance(cls, type) or not any(b.__name__ == "Engine" and b.__module__ == "chatlearn.runtime.engine"
+                                            for b in cls.__mro__):
+        return None, f"runtime.engine: {name} is not a chatlearn.Engine subclass"
+    roles = tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+    return EngineSpec(roles=roles), ""
 
 
 @contextlib.contextmanager
@@ -365,7 +390,13 @@ def _advantage_estimator(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, mo
     sets ``runtime.engine`` to the engine it runs, `chatlearn.runtime.prepared`) reads only what the engine's
     models make (its reward module says what an estimator reads: ``estimator_inputs``). (An unknown name is the
     reward's ``args_schema``'s error.)"""
-    if spec.advantage_estimator is None or "reward" not in cfg.models:
+    if spec.advantage_estimator is None:  # an engine of one's own: its experience makers name theirs
+        return [f"models.{name}.args_dict.advantage_estimator: the {engine} engine has no default advantage "
+                f"estimator and {name} makes its experience; name one (e.g. gae, grpo)"
+                for name in spec.experience if name in cfg.models
+                and getattr(_module_class(name, cfg, modules, engine), "estimator_inputs", None) is not None
+                and not (cfg.models[name].args_dict or {}).get("advantage_estimator")]
+    if "reward" not in cfg.models:
         return []
     pre = "models.reward.args_dict.advantage_estimator"
     given = (cfg.models["reward"].args_dict or {}).get("advantage_estimator")

@@ -22,6 +22,9 @@ class EngineSpec(NamedTuple):
     # the registered advantage estimator the reward runs (chatlearn.algorithms.advantages) unless
     # models.reward.args_dict.advantage_estimator names another; None: the engine trains on no advantages
     advantage_estimator: str | None = None
+    # an engine of one's own: the models whose forward_step makes the experience (the environment flow's
+    # returned calls); with no engine default each names its estimator in its args_dict
+    experience: tuple[str, ...] = ()
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -35,6 +38,16 @@ ENGINES: dict[str, EngineSpec] = {
     # the reference is only needed for the KL term (ppo_policy's kl_coef > 0)
     "grpo": EngineSpec(
         roles=("policy", "reference", "reward", "ppo_policy"),
+        sync=(("ppo_policy", "policy"),),
+        optional=("reference",),
+        modules=(("ppo_policy", "chatlearn.models.hf.grpo_trainer:GRPOPolicyTrainer"),),
+        groups=True,
+        advantage_estimator="grpo",
+    ),
+    # ChatLearn's GRPOMathEngine(policy, reference, reward, reward1, ppo_policy): GRPO with a second reward
+    # (reward1, a rule by default) whose scores the reward adds to its own before the group advantages
+    "grpo_math": EngineSpec(
+        roles=("policy", "reference", "reward", "reward1", "ppo_policy"),
         sync=(("ppo_policy", "policy"),),
         optional=("reference",),
         modules=(("ppo_policy", "chatlearn.models.hf.grpo_trainer:GRPOPolicyTrainer"),),
@@ -65,6 +78,7 @@ DEFAULT_MODULES: dict[str, str] = {
     "policy": "chatlearn.models.hf.policy:PolicyInference",
     "reference": "chatlearn.models.hf.reference:ReferenceModel",
     "reward": "chatlearn.models.hf.reward:RuleReward",
+    "reward1": "chatlearn.models.hf.reward:RuleReward",
     "value": "chatlearn.models.hf.value:ValueModel",
     "ppo_policy": "chatlearn.models.hf.ppo_trainer:PPOPolicyTrainer",
     "ppo_value": "chatlearn.models.hf.ppo_trainer:PPOValueTrainer",

@@ -23,8 +23,9 @@ def config_dir(cfg: ChatLearnConfig) -> str | None:
 
 
 def hook_specs(cfg: ChatLearnConfig) -> list[str]:
-    """Every ``module:name`` the config names: module classes, reward functions, the relay and eval hooks."""
-    specs = [cfg.runtime.relay_sample_fn, cfg.runtime.eval_post_process_fn]
+    """Every ``module:name`` the config names: module classes, reward functions, the relay and eval hooks, an
+    engine class of one's own."""
+    specs = [cfg.runtime.relay_sample_fn, cfg.runtime.eval_post_process_fn, cfg.runtime.engine]
     for model in cfg.models.values():
         args = model.args_dict or {}
         specs += [args.get("module"), args.get("reward_fn")]

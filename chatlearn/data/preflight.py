@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from chatlearn.config import ChatLearnConfig, ConfigError
-from chatlearn.config.engines import ENGINES
 from chatlearn.data.prompts import DataError, load_placed_records
 
 __all__ = ["PreparedData", "preflight", "record_keys"]
@@ -37,6 +36,7 @@ _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_lengt
 
 class _Plan(Protocol):
     producer: str
+    environment: Any
 
 
 class _Engine(Protocol):
@@ -48,6 +48,10 @@ class _Engine(Protocol):
     def modules(self) -> Mapping[str, Any]: ...
     @property
     def plan(self) -> _Plan: ...
+    @property
+    def dataset(self) -> Sequence[Any] | None: ...
+    @property
+    def eval_dataset(self) -> Sequence[Any] | None: ...
 
 
 class PreparedData(NamedTuple):
@@ -104,11 +108,23 @@ def check_model_files(cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> None:
         raise ConfigError(problems)
 
 
+def _given(records: Sequence[Any], keys: list[str], where: str) -> list[tuple[str, dict[str, Any]]]:
+    """Records given in code (ChatLearn's ``set_dataset``): dicts holding ``keys``, or prompt strings."""
+    placed = []
+    for i, rec in enumerate(records):
+        rec = {keys[0]: rec} if isinstance(rec, str) else rec
+        if not isinstance(rec, dict) or any(not isinstance(rec.get(k), str) for k in keys):
+            raise DataError(f"{where}: record {i} is {type(rec).__name__}; expected a prompt string or a dict whose "
+                            f"{keys} are strings")
+        placed.append((f"{where}: record {i}", rec))
+    return placed
+
+
 def _files(cfg: ChatLearnConfig, eng: _Engine) -> tuple[list[str], list[str]]:
-    """The train and eval files the run reads ([] where it reads none)."""
+    """The train and eval files the run reads ([] where it reads none, or the engine was given its records)."""
     rt = cfg.runtime
-    with_train_data = ENGINES[eng.name].needs_train_data
-    wants_eval = rt.eval_episode_interval or rt.enable_eval_before_training or not with_train_data
+    with_train_data = eng.plan.environment is not None and eng.dataset is None
+    wants_eval = rt.eval_episode_interval or rt.enable_eval_before_training or eng.plan.environment is None
     train = _as_list(rt.data_path) if with_train_data else []
     evals = _as_list(rt.eval_data_path) if rt.eval_data_path and wants_eval else []
     return train, evals
@@ -129,8 +145,10 @@ def _prepare_data(cfg: ChatLearnConfig, eng: _Engine) -> PreparedData:
     args = (cfg.models[producer].args_dict if producer in cfg.models else None) or {}
     keys = record_keys(module, args)
     train, evals = _files(cfg, eng)
-    placed = load_placed_records(train, keys) if train else []
-    eval_placed = load_placed_records(evals, keys) if evals else []
+    placed = (_given(eng.dataset, keys, "engine.set_dataset") if eng.dataset is not None
+              else load_placed_records(train, keys) if train else [])
+    eval_placed = (_given(eng.eval_dataset, keys, "evaluator.set_dataset") if eng.eval_dataset is not None
+                   else load_placed_records(evals, keys) if evals else [])
     budget = _budget(cfg, producer, module) if placed or eval_placed else None
     if budget is not None:
         placed = _fit(placed, keys[0], budget)

@@ -1,10 +1,10 @@
 """ChatLearn's module API: one model's user code, hosted by the framework inside Ray actors.
 
 A user subclasses `BaseModule` (or `TorchModule`) and fills in `setup`, `forward_step(data, iteration)`,
-`train_step(data_list, iteration)`, `eval_step`, `save_checkpoint`, `load_checkpoint` and, for the first
-model of an engine (the data producer), `build_dataset`. The framework owns scheduling: it creates the actors
-from the model's `ModelConfig`, binds the configs, calls `setup` once, then streams batches through the
-methods. `__init__` must stay cheap: the object is built on the driver and shipped to its actors.
+`train_step(data_list, iteration)`, `eval_step` (or `eval_forward`), `save_checkpoint`, `load_checkpoint` and,
+for the first model of an engine (the data producer), `build_dataset`. The framework owns scheduling: it
+creates the actors from the model's `ModelConfig`, binds the configs, calls `setup` once, then streams batches
+through the methods. `__init__` must stay cheap: the object is built on the driver and shipped to its actors.
 """
 
 import os
@@ -110,6 +110,11 @@ class BaseModule:
     def eval_step(self, data: Any) -> Any:
         """Inference for evaluation; defaults to `forward_step`."""
         return self.forward_step(data, 0)
+
+    def eval_forward(self, data: Any) -> Any:
+        """Inference for evaluation under ChatLearn HEAD's name (its evaluator flows call it); defaults to
+        `eval_step`."""
+        return self.eval_step(data)
 
     def save_checkpoint(self, iteration: int) -> str | None:
         """Save the trainable state for `iteration`; returns where it went."""

@@ -21,6 +21,12 @@ from chatlearn.utils.finite import describe_sample, nonfinite_summary, one_line
 from chatlearn.utils.imports import import_callable
 
 
+def score_key(model: str) -> str:
+    """The batch field that holds reward ``model``'s own scores (``rewards/<model>``): a rule's fanned-out tasks
+    hand them to the model's call there, and a reward reading another's adds them to its own."""
+    return f"rewards/{model}"
+
+
 class RewardError(RunError):
     """A rule reward function that failed, timed out or returned something unusable, on a named sample (a
     RunError: the CLI prints it as one line, the traceback of the hook goes to the run's log)."""

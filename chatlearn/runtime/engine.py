@@ -1,54 +1,81 @@
-"""ChatLearn's engines: ``RLHFEngine(policy, reference, reward, value, ppo_policy, ppo_value).learn()`` and
-``EvalEngine(policy, reward).eval()``.
+"""ChatLearn's engines: an engine is its compute flows.
 
-An engine is its models plus the episode's wiring (:mod:`chatlearn.runtime.plan`); ``learn()`` runs the
-Prefect train flow on Ray. This module is the one place under ``chatlearn/`` that reaches up into ``flows/``:
-ChatLearn's API starts a run from the engine, and the flow that runs it sits above this package, so the
-flows are imported when ``learn()``/``eval()`` is called (never at import time, and nothing in ``flows/``
-imports this module, so the layers have no loop). ``tests/test_layers.py`` allows exactly this exception.
+``Engine(Environment(env_flow), Trainer(trainer_flow), Evaluator(eval_flow))`` with
+``set_parameter_sync(trainer, inference)`` and ``set_dataset(prompts)``; ``learn()`` runs the Prefect train flow
+on Ray, where every model call of the flows is a task run (:mod:`chatlearn.runtime.compute_flow` traces them,
+:mod:`chatlearn.runtime.plan` is what they compile into). The built-in engines (RLHF, GRPO, GRPOMath, DPO,
+online DPO, Eval) are written the same way, a few lines of flow each, in :mod:`chatlearn.runtime.engines`.
+
+This module is the one place under ``chatlearn/`` that reaches up into ``flows/``: ChatLearn's API starts a
+run from the engine, and the flow that runs it sits above this package, so the flows are imported when
+``learn()``/``eval()`` is called (never at import time, and nothing in ``flows/`` imports this module, so the
+layers have no loop). ``tests/test_layers.py`` allows exactly this exception.
 """
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from chatlearn.config import ChatLearnConfig, ConfigError, EngineChecks, load_config
 from chatlearn.config.current import get_config
-from chatlearn.config.engines import ENGINES
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.plan import EpisodePlan, ResolvedEngine, episode_plan, resolve_engine
+from chatlearn.runtime import engines
+from chatlearn.runtime.compute_flow import Environment, Evaluator, Trainer
+from chatlearn.runtime.engines import engine_roles, resolve_engine
+from chatlearn.runtime.plan import EngineFlows, ResolvedEngine
 from chatlearn.runtime.prepared import PreparedRun, prepare_run
 
-__all__ = ["DPOEngine", "Engine", "EvalEngine", "GRPOEngine", "OnlineDPOEngine", "RLHFEngine", "build_engine",
-           "engine_of"]
+__all__ = ["DPOEngine", "Engine", "EvalEngine", "GRPOEngine", "GRPOMathEngine", "OnlineDPOEngine", "RLHFEngine",
+           "build_engine", "engine_of"]
 
-ConfigSource = str | os.PathLike | Mapping[str, Any] | ChatLearnConfig | PreparedRun | None
+ConfigSource = Any  # a path, a dict, a ChatLearnConfig, a PreparedRun or None (chatlearn.init's config)
 
 
-class Engine:
-    """Models + plan; `learn()` runs the Prefect train flow on Ray."""
+class Engine(EngineFlows):
+    """An engine: an environment flow (generate, score), a trainer flow (train) and an evaluator flow (eval),
+    any of which may be None, plus the weight syncs between its models."""
 
     name = "engine"
 
-    def __init__(self, modules: dict[str, BaseModule], plan: EpisodePlan):
-        self.modules = modules
-        self.plan = plan
+    def __init__(self, environment: Environment | None = None, trainer: Trainer | None = None,
+                 evaluator: Evaluator | None = None, name: str | None = None):
         self.from_config = False  # set by build_engine: the flow rebuilds the same modules from the config
+        super().__init__(environment, trainer, evaluator, name)
 
+    # -- ChatLearn's API ------------------------------------------------------------------------------------
+    def set_parameter_sync(self, src: BaseModule, dst: BaseModule) -> "Engine":
+        """After each episode's training, copy ``src``'s weights (a trained model) into ``dst``."""
+        self._sync.append((src, dst))
+        self.compile(None)
+        return self
+
+    def set_dataset(self, dataset: Any) -> "Engine":
+        """The training prompt records (a list of dicts or strings); they replace ``runtime.data_path``."""
+        self._dataset = list(dataset)
+        return self
+
+    def set_evaluator(self, evaluator: Evaluator) -> "Engine":
+        self.evaluator = evaluator
+        self.compile(None)
+        return self
+
+    # -- running --------------------------------------------------------------------------------------------
     def _given_modules(self) -> dict[str, BaseModule] | None:
         return None if self.from_config else self.modules
 
-    def prepare(self, config: ConfigSource = None,
-                overrides: Sequence[str] | None = None) -> PreparedRun:
-        """The run of `config` with this engine's modules: checked, its data read (`chatlearn.runtime.prepared`).
-        A run prepared already is taken as it is."""
+    def prepare(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> Any:
+        """The run of `config` with this engine: checked, its data read (`chatlearn.runtime.prepared`). A run
+        prepared already is taken as it is."""
         if isinstance(config, PreparedRun):
             if overrides:
                 raise ConfigError("overrides: a prepared run takes none (apply them to its config first)")
             return config
         source = get_config() if config is None else config
-        cfg = load_config(source, overrides or (), [EngineChecks(self.name, self._given_modules() or {})])
-        return prepare_run(cfg, self._given_modules(), self.name)
+        checks = EngineChecks(self.name, self._given_modules() or {}, self.spec(), self._dataset is not None)
+        cfg = load_config(source, overrides or (), [checks])
+        # a built-in engine given its models in code takes the models it was not given from the config, as
+        # before; an engine of one's own is its flows as written
+        own = not self.from_config and self.name not in _CLASSES
+        return prepare_run(cfg, self._given_modules(), self.name, resolved=self.resolve(cfg) if own else None)
 
     def learn(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
         """Train with `config` (a config object, a YAML path or dict, or the one given to `chatlearn.init`);
@@ -61,74 +88,91 @@ class Engine:
 
         return train_flow(self.prepare(config, overrides), modules=self._given_modules(), engine=self.name)
 
-
-class RLHFEngine(Engine):
-    """PPO: policy → (reference, value) → reward; ppo_policy and ppo_value train; both synced back."""
-
-    name = "rlhf"
-
-    def __init__(self, policy: BaseModule, reference: BaseModule, reward: BaseModule, value: BaseModule,
-                 ppo_policy: BaseModule, ppo_value: BaseModule):
-        by_role = dict(zip(ENGINES["rlhf"].roles, (policy, reference, reward, value, ppo_policy, ppo_value),
-                           strict=True))
-        super().__init__({m.name: m for m in by_role.values()}, episode_plan("rlhf", by_role))
-
-
-class GRPOEngine(Engine):
-    """GRPO: policy samples ``num_inference_per_prompt`` responses per prompt -> reference (for the KL term;
-    None when ppo_policy's kl_coef is 0) -> reward (scores, group-normalised advantages); ppo_policy trains
-    with the token-level clipped loss and is synced back to the policy."""
-
-    name = "grpo"
-
-    def __init__(self, policy: BaseModule, reference: BaseModule | None, reward: BaseModule,
-                 ppo_policy: BaseModule):
-        by_role = {"policy": policy, "reference": reference, "reward": reward, "ppo_policy": ppo_policy}
-        given = {m.name: m for m in by_role.values() if m is not None}
-        super().__init__(given, episode_plan("grpo", by_role))
-
-
-class DPOEngine(Engine):
-    """Offline DPO: the reference reads (prompt, chosen, rejected) pairs; ppo_policy trains on them."""
-
-    name = "dpo"
-
-    def __init__(self, reference: BaseModule, ppo_policy: BaseModule):
-        by_role = {"reference": reference, "ppo_policy": ppo_policy}
-        super().__init__({m.name: m for m in by_role.values()}, episode_plan("dpo", by_role))
-
-
-class OnlineDPOEngine(Engine):
-    """Online DPO: policy samples prompt groups, the reward orders them, ppo_policy trains on the pairs."""
-
-    name = "online_dpo"
-
-    def __init__(self, policy: BaseModule, reference: BaseModule, reward: BaseModule, ppo_policy: BaseModule):
-        by_role = {"policy": policy, "reference": reference, "reward": reward, "ppo_policy": ppo_policy}
-        super().__init__({m.name: m for m in by_role.values()}, episode_plan("online_dpo", by_role))
-
-
-class EvalEngine(Engine):
-    """Evaluation alone: the policy answers the eval set, the reward scores it (ChatLearn's EvalEngine)."""
-
-    name = "eval"
-
-    def __init__(self, policy: BaseModule, reward: BaseModule):
-        by_role = {"policy": policy, "reward": reward}
-        super().__init__({m.name: m for m in by_role.values()}, episode_plan("eval", by_role))
-
-    def learn(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
-        return self.eval(config, overrides)
-
     def eval(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
-        """Score the eval set once; returns the eval metrics (Prefect API: as `learn`)."""
+        """Score the eval set once with the evaluator flow; returns the eval metrics (Prefect API: as `learn`)."""
         from flows.eval_flow import eval_flow  # the documented upward call (see the module docstring)
 
         return eval_flow(self.prepare(config, overrides), modules=self._given_modules())
 
 
-_CLASSES: dict[str, type[Engine]] = {"rlhf": RLHFEngine, "grpo": GRPOEngine, "dpo": DPOEngine,
-                                     "online_dpo": OnlineDPOEngine, "eval": EvalEngine}
+class RLHFEngine(Engine):
+    """PPO (`chatlearn.runtime.engines.rlhf`)."""
+
+    name = "rlhf"
+
+    def __init__(self, policy: BaseModule, reference: BaseModule, reward: BaseModule, value: BaseModule,
+                 ppo_policy: BaseModule, ppo_value: BaseModule):
+        self.from_config = False
+        engines.assemble(self, engines.rlhf(policy, reference, reward, value, ppo_policy, ppo_value))
+
+
+class GRPOEngine(Engine):
+    """GRPO (`chatlearn.runtime.engines.grpo`); ``reference`` may be None (no KL term)."""
+
+    name = "grpo"
+
+    def __init__(self, policy: BaseModule, reference: BaseModule | None, reward: BaseModule,
+                 ppo_policy: BaseModule):
+        self.from_config = False
+        engines.assemble(self, engines.grpo(policy, reference, reward, ppo_policy))
+
+
+class GRPOMathEngine(Engine):
+    """GRPO with a second reward (`chatlearn.runtime.engines.grpo_math`)."""
+
+    name = "grpo_math"
+
+    def __init__(self, policy: BaseModule, reference: BaseModule | None, reward: BaseModule, reward1: BaseModule,
+                 ppo_policy: BaseModule):
+        self.from_config = False
+        engines.assemble(self, engines.grpo_math(policy, reference, reward, reward1, ppo_policy))
+
+
+class DPOEngine(Engine):
+    """Offline DPO (`chatlearn.runtime.engines.dpo`)."""
+
+    name = "dpo"
+
+    def __init__(self, reference: BaseModule, ppo_policy: BaseModule):
+        self.from_config = False
+        engines.assemble(self, engines.dpo(reference, ppo_policy))
+
+
+class OnlineDPOEngine(Engine):
+    """Online DPO (`chatlearn.runtime.engines.online_dpo`)."""
+
+    name = "online_dpo"
+
+    def __init__(self, policy: BaseModule, reference: BaseModule, reward: BaseModule, ppo_policy: BaseModule):
+        self.from_config = False
+        engines.assemble(self, engines.online_dpo(policy, reference, reward, ppo_policy))
+
+
+class EvalEngine(Engine):
+    """Evaluation alone (ChatLearn's EvalEngine): ``EvalEngine(policy, reward)`` answers the eval set with the
+    policy and scores it with the reward (`chatlearn.runtime.engines.evaluation`); ``EvalEngine(eval_flow)``
+    (or ``evaluator=``) runs a flow of one's own."""
+
+    name = "eval"
+
+    def __init__(self, policy: Any = None, reward: BaseModule | None = None, *, eval_flow: Any = None,
+                 evaluator: Evaluator | None = None):
+        self.from_config = False
+        if callable(policy) and not isinstance(policy, BaseModule):  # ChatLearn's EvalEngine(eval_flow)
+            policy, eval_flow = None, policy
+        if evaluator is None and eval_flow is not None:
+            evaluator = Evaluator(eval_flow)
+        if evaluator is not None:
+            super().__init__(evaluator=evaluator)
+        else:
+            engines.assemble(self, engines.evaluation(policy, reward))
+
+    def learn(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
+        return self.eval(config, overrides)
+
+
+_CLASSES: dict[str, type[Engine]] = {"rlhf": RLHFEngine, "grpo": GRPOEngine, "grpo_math": GRPOMathEngine,
+                                     "dpo": DPOEngine, "online_dpo": OnlineDPOEngine, "eval": EvalEngine}
 
 
 def build_engine(cfg: ChatLearnConfig, modules: Mapping[str, BaseModule] | None = None,
@@ -145,6 +189,9 @@ def engine_of(resolved: ResolvedEngine, from_config: bool = True) -> Engine:
     """The engine object of a resolved engine (`PreparedRun.engine`); ``from_config``: its modules were built
     from the config (not given in code)."""
     by_name = dict(resolved.modules)
-    eng = _CLASSES[resolved.name](*[by_name.get(role) for role in ENGINES[resolved.name].roles])
+    args = {r: by_name.get(r) for r in engine_roles(resolved.name)}
+    cls = _CLASSES.get(resolved.name) or engines._engine_class(resolved.name)
+    eng = cls(**args)
+    eng.name = resolved.name
     eng.from_config = from_config
     return eng

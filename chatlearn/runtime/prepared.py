@@ -18,7 +18,8 @@ from typing import Any
 
 from chatlearn.config import ChatLearnConfig
 from chatlearn.data.preflight import PreparedData, preflight
-from chatlearn.runtime.plan import ResolvedEngine, resolve_engine
+from chatlearn.runtime.engines import resolve_engine
+from chatlearn.runtime.plan import ResolvedEngine
 
 
 @dataclass(frozen=True)

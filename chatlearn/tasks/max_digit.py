@@ -52,6 +52,12 @@ def max_digit_reward(sample: dict) -> float:
     return 0.5 * (1.0 - abs(int(response[0]) - int(sample["answer"])) / 9.0)
 
 
+def format_reward(sample: dict) -> float:
+    """1.0 when the response is one digit and nothing else (a format reward, GRPOMath's second reward)."""
+    response = sample["response"].strip()
+    return float(len(response) == 1 and response.isdigit())
+
+
 def exact_match(sample: dict) -> float:
     """1.0 when the response starts with the answer."""
     return float(sample["response"].strip()[:1] == sample["answer"])

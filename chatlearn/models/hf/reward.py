@@ -26,7 +26,7 @@ from chatlearn.algorithms import ADVANTAGE_ESTIMATORS, advantage_estimator_input
 from chatlearn.config.engines import ENGINES
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, load_tokenizer
-from chatlearn.models.rule import RuleSpec
+from chatlearn.models.rule import RuleSpec, score_key
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.finite import batch_sample, describe_sample, nonfinite_rows, nonfinite_summary
 from chatlearn.utils.imports import import_callable
@@ -42,6 +42,10 @@ class PPOExperienceArgs(BaseModel):
         None, description="registered advantage estimator (gae, grpo); default: the engine's (rlhf: gae, grpo and "
         "online_dpo: grpo)")
     score_clip: float = Field(100.0, gt=0, description="clip scores to +-score_clip (ChatLearn cliprange_reward)")
+    reward_weights: dict[str, float] = Field(
+        default_factory=dict, description="when this reward's inputs hold other rewards' scores (their "
+        "score_step or forward_step outputs in the flow), the weight of each by model name in the sum it trains "
+        "on, this reward's own included; 1.0 for a name not listed")
 
     @field_validator("advantage_estimator")
     @classmethod
@@ -85,11 +89,42 @@ class _ExperienceMixin:
 
     def advantage_estimator(self) -> str:
         """The estimator this reward runs: ``args_dict.advantage_estimator``, else its engine's."""
-        name = self.args.advantage_estimator or ENGINES[self.runtime_args.engine].advantage_estimator
+        spec = ENGINES.get(self.runtime_args.engine)
+        name = self.args.advantage_estimator or (spec.advantage_estimator if spec is not None else None)
         if name is None:
             raise RunError(f"{self.name}: the {self.runtime_args.engine} engine trains on no advantages; set "
                            f"models.{self.name}.args_dict.advantage_estimator (known: {sorted(ADVANTAGE_ESTIMATORS)})")
         return name
+
+    def combined(self, data: dict, own: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This reward's scores plus every other reward's among its inputs (``rewards/<name>``), weighted by
+        ``reward_weights``; and, when there are others, its own scores under its name (each reward is logged by
+        name). Alone it is just its own scores."""
+        own_key = score_key(self.name)
+        others = sorted((k, v) for k, v in data.items() if k.startswith("rewards/") and k != own_key)
+        if not others:
+            return own, {}
+        weights = self.args.reward_weights
+        total = weights.get(self.name, 1.0) * own.float()
+        for key, value in others:
+            total = total + weights.get(key.removeprefix("rewards/"), 1.0) * torch.as_tensor(value).float()
+        return total, {own_key: own}
+
+    def experience_step(self, data: dict, own: torch.Tensor) -> dict:
+        """``forward_step``: the combined scores turned into the experience, each reward's scores kept."""
+        total, parts = self.combined(data, own)
+        return {**self.make_experience(data, total), **parts}
+
+    def eval_scores(self, data: dict, own: torch.Tensor) -> dict:
+        """``eval_step``: the combined scores, each reward's scores kept."""
+        total, parts = self.combined(data, own)
+        return {"scores": total, **parts}
+
+    def score_step(self, data: dict) -> dict:
+        """Only this reward's scores, as ``rewards/<name>``, for another reward of the flow to add to its own."""
+        own = self.score(data)
+        self._check_finite(data, own.float(), "score")
+        return {score_key(self.name): own}
 
     def make_experience(self, data: dict, scores: torch.Tensor) -> dict:
         # before the clip: clamp turns an infinite score into a finite +-score_clip and would hide it
@@ -141,16 +176,16 @@ class RuleReward(_ExperienceMixin, BaseModule):
         import_callable(self.rule.reward_fn)  # a hook this process cannot import fails the setup, not a batch
 
     def score(self, data: dict) -> torch.Tensor:
-        """The rule's scores; those the fanned-out reward tasks computed already (``data["scores"]``) win."""
-        if "scores" in data:
-            return torch.as_tensor(data["scores"], dtype=torch.float32)
+        """The rule's scores; those its fanned-out reward tasks computed already (``rewards/<name>``) win."""
+        if score_key(self.name) in data:
+            return torch.as_tensor(data[score_key(self.name)], dtype=torch.float32)
         return torch.tensor(self.rule.score(data), dtype=torch.float32)
 
     def forward_step(self, data, iteration):
-        return self.make_experience(data, self.score(data))
+        return self.experience_step(data, self.score(data))
 
     def eval_step(self, data):
-        return {"scores": self.score(data)}
+        return self.eval_scores(data, self.score(data))
 
 
 class ModelReward(_ExperienceMixin, HFModule):
@@ -175,7 +210,7 @@ class ModelReward(_ExperienceMixin, HFModule):
         return scores
 
     def forward_step(self, data, iteration):
-        return self.make_experience(data, self.score(data))
+        return self.experience_step(data, self.score(data))
 
     def eval_step(self, data):
-        return {"scores": self.score(data)}
+        return self.eval_scores(data, self.score(data))

@@ -46,6 +46,8 @@ class RunHandle(BaseModel):
     concurrent_comm: bool = True
     param_sync_max_workers: int | None = None
     stage_timeout_s: float | None = Field(None, description="runtime.stage_timeout_s (chatlearn.runtime.calls.waiting)")
+    # the flows' steps (functions of the driver, run as Ray tasks): not sent to the Prefect API
+    steps: dict[str, Any] = Field(default_factory=dict, exclude=True)
 
     def actor(self, process: str) -> Any:
         """A worker process of the run, by name."""

@@ -78,8 +78,9 @@ class ModelHost:
         return len(self.datasets[is_eval])
 
     def generate(self, indices: list[int], iteration: int, is_eval: bool = False,
-                 sample_ids: list[int] | None = None, group_size: int = 1) -> ray.ObjectRef:
-        """Collate dataset items `indices` and run `forward_step` (or `eval_step`) on them.
+                 sample_ids: list[int] | None = None, group_size: int = 1,
+                 flow_method: str = "forward_step") -> ray.ObjectRef:
+        """Collate dataset items `indices` and run the flow's method on them (`run_method`).
 
         `sample_ids` (the samples' positions in the response stream) go into dict batches as `sample_id`, so a
         module can seed per sample instead of per batch. With `group_size` > 1 (several responses per prompt)
@@ -91,14 +92,23 @@ class ModelHost:
             batch["sample_id"] = list(sample_ids if sample_ids is not None else indices)
             if group_size > 1:
                 batch["group_id"] = [sid // group_size for sid in batch["sample_id"]]
-        out = self.module.eval_step(batch) if is_eval else self.module.forward_step(batch, iteration)
-        return self._own(out)
+        return self._own(self.run_method(flow_method, batch, iteration, is_eval))
+
+    def run_method(self, method: str, data: Any, iteration: int, is_eval: bool) -> Any:
+        """The module method a compute flow calls: ``forward_step(data, iteration)`` (in an evaluator flow,
+        ``eval_step(data)``, as ChatLearn runs eval), ``eval_step``/``eval_forward``/``score_step(data)``."""
+        if method == "forward_step":
+            return self.module.eval_step(data) if is_eval else self.module.forward_step(data, iteration)
+        if method not in ("eval_step", "eval_forward", "score_step"):
+            raise AttributeError(f"{self.module.name}: {method} is not a method a compute flow calls")
+        return getattr(self.module, method)(data)
 
     # -- inference on upstream outputs ----------------------------------------------------------------------
-    def forward(self, *inputs: Any, iteration: int = 0, is_eval: bool = False, keep_inputs: bool = False):
-        """Run `forward_step`/`eval_step` on the merged inputs; with `keep_inputs` the output carries them."""
+    def forward(self, *inputs: Any, iteration: int = 0, is_eval: bool = False, keep_inputs: bool = False,
+                flow_method: str = "forward_step"):
+        """Run the flow's method on the merged inputs; with `keep_inputs` the output carries them."""
         data = merge_batches(*[fetch(x, self.runtime_args.stage_timeout_s) for x in inputs])
-        out = self.module.eval_step(data) if is_eval else self.module.forward_step(data, iteration)
+        out = self.run_method(flow_method, data, iteration, is_eval)
         if keep_inputs:
             out = merge_batches(data, out)
         return self._own(out)

@@ -202,7 +202,7 @@ def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, pre
         rule_rewards=rule_rewards(cfg, eng),
         sync_routes=sync_routes_of(cfg, eng, workers),
         concurrent_comm=rt.concurrent_comm, param_sync_max_workers=rt.param_sync_max_workers,
-        stage_timeout_s=rt.stage_timeout_s,
+        stage_timeout_s=rt.stage_timeout_s, steps=dict(eng.steps),
     )
 
 
@@ -229,13 +229,14 @@ def sync_routes_of(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers) 
 
 
 def rule_rewards(cfg: ChatLearnConfig, eng: ResolvedEngine) -> dict[str, RuleSpec]:
-    """The rule rewards (``RuleReward`` modules with ``fan_out``, the default) of the final model and the
-    evaluator: each batch they score is a Prefect task on Ray (``flows/rule_tasks.py``), not an actor call."""
+    """The rule rewards (``RuleReward`` modules with ``fan_out``, the default) the environment or evaluator flow
+    calls: each batch they score is a Prefect task on Ray (``flows/rule_tasks.py``) before their model's call."""
     from chatlearn.models.hf.reward import RuleReward  # torch-heavy; launch runs once per run
 
     out = {}
     for name, module in eng.modules.items():
-        if isinstance(module, RuleReward) and name in (eng.plan.final, eng.plan.evaluator):
+        if isinstance(module, RuleReward) and eng.plan.calls(name, "forward_step", "eval_step", "eval_forward",
+                                                             "score_step"):
             args = RuleReward.args_schema.model_validate(cfg.models[name].args_dict or {})
             if args.fan_out:
                 out[name] = RuleSpec.of(args)
@@ -314,9 +315,10 @@ def _launch(prepared: PreparedRun, data_checkpoint_path: str) -> Iterator[tuple[
         if prompts:
             prompts_ref = ray.put(prompts)
             sizes = wait([a.build_dataset.remote(prompts_ref) for a in producer.heads], "setup", rt.stage_timeout_s)
-        if eval_prompts:
+        if eval_prompts and eng.plan.evaluator is not None:  # the evaluator's first model answers the eval set
             eval_ref = ray.put(eval_prompts)
-            wait([a.build_dataset.remote(eval_ref, True) for a in producer.heads], "setup", rt.stage_timeout_s)
+            answering = workers.groups[eng.plan.eval_producer]
+            wait([a.build_dataset.remote(eval_ref, True) for a in answering.heads], "setup", rt.stage_timeout_s)
         run = _run_handle(cfg, eng, workers, prefix, namespace, sizes[0], len(eval_prompts), data_checkpoint_path)
         yield run, workers.groups, stream
     finally:

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from chatlearn.config import RuntimeConfig
-from chatlearn.data.batch import split_batch
+from chatlearn.data.batch import merge_batches, split_batch
 from chatlearn.data.relay import RelayBuffer, load_hook
 from chatlearn.data.stream import episode_training_samples
 from chatlearn.runtime.calls.waiting import fetch
@@ -28,6 +28,10 @@ def experience_stats(samples: list[dict[str, Any]]) -> dict[str, float]:
         return stats
     if "scores" in samples[0]:
         stats["reward_mean"] = sum(float(s["scores"]) for s in samples) / len(samples)
+    named = sorted(k for k in samples[0] if k.startswith("rewards/"))
+    if len(named) > 1:  # several rewards combined: each one's mean under its model name
+        for key in named:
+            stats[f"{key}_mean"] = sum(float(s[key]) for s in samples) / len(samples)
     if "kl" in samples[0]:
         stats["kl_mean"] = sum(float(s["kl"].sum()) for s in samples) / len(samples)
     if "response_mask" in samples[0]:
@@ -42,9 +46,11 @@ class StreamDataset:
         self.relay = RelayBuffer(runtime_args.max_relay_episode, runtime_args.relay_episode_offset,
                                  load_hook(hook) if hook else None)
 
-    def episode_samples(self, *batches: Any, episode: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
-        """The episode's training samples (a ref owned by this actor) and the episode's experience stats."""
-        produced = [s for b in batches for s in split_batch(fetch(b, self.rt.stage_timeout_s))]
+    def episode_samples(self, batches: list[list[Any]], episode: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
+        """The episode's training samples (a ref owned by this actor) and the episode's experience stats;
+        ``batches`` holds each batch's parts (the outputs of the environment flow's returned calls, merged)."""
+        timeout = self.rt.stage_timeout_s
+        produced = [s for parts in batches for s in split_batch(merge_batches(*[fetch(p, timeout) for p in parts]))]
         own, samples = episode_training_samples(produced, episode, self.relay, self.rt.stream_data_loader_type,
                                                 self.rt.sample_per_episode)
         stats = experience_stats(own)

@@ -1,0 +1,200 @@
+"""Compute flows: tracing a ChatLearn flow into its calls, the built-in engines as flows, and the misuses that are
+errors before anything starts (no Ray, no Prefect)."""
+
+import pytest
+
+from chatlearn.config import load_config
+from chatlearn.models.base_module import BaseModule
+from chatlearn.runtime.compute_flow import BATCH, Environment, Evaluator, FlowError, Trainer, step, trace
+from chatlearn.runtime.engine import Engine, GRPOMathEngine, RLHFEngine
+from chatlearn.runtime.engines import resolve_engine
+from tests.conftest import REPO
+
+
+class M(BaseModule):
+    pass
+
+
+def calls(flow):
+    return [(n.name, n.inputs) for n in flow.nodes]
+
+
+def test_chatlearns_documented_flow_traces_into_its_calls_and_their_inputs():
+    policy, value, reference, reward = M("policy"), M("value"), M("reference"), M("reward")
+    ppo_policy, ppo_value = M("ppo_policy"), M("ppo_value")
+
+    def env_flow(batch):
+        policy_out = policy.forward_step(batch)
+        ref_out = reference.forward_step(policy_out)
+        value_out = value.forward_step(policy_out)
+        reward_out = reward.forward_step(policy_out, ref_out, value_out)
+        return reward_out
+
+    def trainer_flow(batch):
+        ppo_policy.train_step(batch)
+        ppo_value.train_step(batch)
+
+    def eval_flow(batch):
+        r0 = policy.eval_step(batch)
+        r1 = reward.eval_step(r0)
+        return r1
+
+    flow, modules, steps = trace(env_flow, "environment")
+    assert calls(flow) == [("policy.forward_step", [BATCH]), ("reference.forward_step", [0]),
+                           ("value.forward_step", [0]), ("reward.forward_step", [0, 1, 2])]
+    assert [n.level for n in flow.nodes] == [0, 1, 1, 2]  # reference and value do not read each other
+    assert flow.returns == [3] and flow.outputs() == [3] and set(modules) == {"policy", "reference", "value", "reward"}
+    assert steps == {}
+    # tracing leaves the modules as they were
+    assert "forward_step" not in vars(policy)
+    engine = Engine(Environment(env_flow), Trainer(trainer_flow), Evaluator(eval_flow)) \
+        .set_parameter_sync(ppo_policy, policy).set_parameter_sync(ppo_value, value)
+    plan, _ = engine.compile(None)
+    assert plan.producer == "policy" and plan.trainers == ["ppo_policy", "ppo_value"] and plan.export == "ppo_policy"
+    assert calls(plan.evaluator) == [("policy.eval_step", [BATCH]), ("reward.eval_step", [0])]
+    assert list(engine.modules) == ["policy", "reference", "value", "reward", "ppo_policy", "ppo_value"]
+
+
+def test_a_returned_call_upstream_of_another_is_not_merged_twice():
+    # ChatLearn's RLHFEngine returns (value_out, reward_out): the reward's output already carries the value's
+    plan = resolve_engine(load_config(f"{REPO}/configs/default.yaml")).plan
+    assert plan.environment.returns == [2, 3] and plan.environment.outputs() == [3]
+
+
+def test_the_built_in_engines_are_their_flows():
+    for config, engine, env in [
+        ("default", "rlhf", ["policy.forward_step", "reference.forward_step", "value.forward_step",
+                             "reward.forward_step"]),
+        ("grpo", "grpo", ["policy.forward_step", "reference.forward_step", "reward.forward_step"]),
+        ("grpo_math", "grpo_math", ["policy.forward_step", "reference.forward_step", "reward1.score_step",
+                               "reward.forward_step"]),
+        ("online_dpo", "online_dpo", ["policy.forward_step", "reference.forward_step", "reward.forward_step"]),
+        ("dpo", "dpo", ["reference.forward_step"]),
+    ]:
+        cfg = load_config(f"{REPO}/configs/{config}.yaml")
+        plan = resolve_engine(cfg, engine=engine).plan
+        assert [n.name for n in plan.environment.nodes] == env, engine
+    # GRPO's old log-probs from the trainer: the flow reads ppo_policy's args_dict when traced for the run
+    cfg = load_config(f"{REPO}/configs/grpo.yaml", ["models.ppo_policy.args_dict.old_logprobs=trainer"])
+    plan = resolve_engine(cfg).plan
+    assert [n.name for n in plan.environment.nodes] == ["policy.forward_step", "reference.forward_step",
+                                                          "ppo_policy.forward_step", "reward.forward_step"]
+    assert plan.environment.nodes[-1].inputs == [0, 1, 2]
+
+
+def test_steps_and_a_second_reward_are_nodes_of_their_own():
+    policy, reward, judge, trainer = M("policy"), M("reward"), M("judge"), M("ppo_policy")
+
+    @step
+    def keep_informative_groups(batch):
+        return batch
+
+    def env_flow(batch):
+        out = policy.forward_step(batch)
+        judged = judge.score_step(out)
+        return keep_informative_groups(reward.forward_step(out, judged))
+
+    flow, modules, steps = trace(env_flow, "environment")
+    assert calls(flow) == [("policy.forward_step", [BATCH]), ("judge.score_step", [0]),
+                           ("reward.forward_step", [0, 1]), ("keep_informative_groups", [2])]
+    assert flow.nodes[3].model is None and steps["keep_informative_groups"] is keep_informative_groups
+    assert keep_informative_groups({"x": [1]}) == {"x": [1]}  # outside a trace it is the function
+    engine = GRPOMathEngine(M("policy"), None, M("reward"), M("reward1"), M("ppo_policy"))
+    assert [n.name for n in engine.compile(None)[0].evaluator.nodes] == [
+        "policy.eval_forward", "reward1.score_step", "reward.eval_forward"]
+    del trainer
+
+
+@pytest.mark.parametrize("flow_body, message", [
+    (lambda p, r: r.forward_step(p.forward_step(3)), "policy.forward_step got int"),
+    (lambda p, r: p.forward_step(lambda: 1) if False else p.forward_step(), "policy.forward_step reads nothing"),
+    (lambda p, r: r.forward_step(p.forward_step(None)), "reads nothing"),
+    (lambda p, r: p.forward_step(p.forward_step(None)), "reads nothing"),
+    (lambda p, r: p.forward_step(r.forward_step(p.forward_step)), "got function"),
+    (lambda p, r: (p.forward_step(p.forward_step)), "got function"),
+])
+def test_a_flow_that_passes_anything_else_is_named(flow_body, message):
+    policy, reward = M("policy"), M("reward")
+
+    def env_flow(batch):
+        return flow_body(policy, reward)
+
+    with pytest.raises(FlowError, match=message):
+        trace(env_flow, "environment")
+
+
+def test_misuses_are_errors_naming_the_flow_and_the_call():
+    policy, reward, trainer, other = M("policy"), M("reward"), M("ppo_policy"), M("value")
+
+    def peeks(batch):
+        out = policy.forward_step(batch)
+        if out["response"]:  # an output has no value while traced
+            return out
+        return out
+
+    def twice(batch):
+        policy.forward_step(batch)
+        return policy.forward_step(batch)
+
+    def no_return(batch):
+        reward.forward_step(policy.forward_step(batch))
+
+    def env_flow(batch):
+        return reward.forward_step(policy.forward_step(batch))
+
+    def trains(batch):
+        trainer.train_step(batch)
+
+    def scores_in_trainer(batch):
+        trainer.forward_step(batch)
+
+    with pytest.raises(FlowError, match=r"compute flow .*peeks: item 'response' of a model call's output"):
+        trace(peeks, "environment")
+    with pytest.raises(FlowError, match=r"twice: policy.forward_step is called twice"):
+        trace(twice, "environment")
+    with pytest.raises(FlowError, match=r"no_return returns nothing: the environment's return value is the "
+                                        "experience"):
+        Engine(Environment(no_return), Trainer(trains))
+    with pytest.raises(FlowError, match=r"scores_in_trainer: ppo_policy.forward_step; a trainer flow calls "
+                                        "train_step"):
+        Engine(Environment(env_flow), Trainer(scores_in_trainer))
+    with pytest.raises(FlowError, match=r"set_parameter_sync\(value, policy\): value is never trained"):
+        Engine(Environment(env_flow), Trainer(trains)).set_parameter_sync(other, policy)
+    with pytest.raises(FlowError, match=r"set_parameter_sync\(ppo_policy, value\): value must be an inference "
+                                        "model"):
+        Engine(Environment(env_flow), Trainer(trains)).set_parameter_sync(trainer, other)
+    with pytest.raises(FlowError, match="expected a Trainer or None, got Environment"):
+        Engine(Environment(env_flow), Environment(env_flow))
+
+
+def test_a_flow_calling_a_model_the_config_lacks_is_a_config_error(tmp_path):
+    from chatlearn.config import ConfigError, EngineChecks
+
+    policy, reward, judge, trainer = M("policy"), M("reward"), M("judge"), M("ppo_policy")
+
+    def env_flow(batch):
+        out = policy.forward_step(batch)
+        return reward.forward_step(out, judge.score_step(out))
+
+    def trainer_flow(batch):
+        trainer.train_step(batch)
+
+    engine = Engine(Environment(env_flow), Trainer(trainer_flow), name="custom").set_parameter_sync(trainer, policy)
+    cfg = f"{REPO}/configs/default.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg, [], [EngineChecks(engine.name, {}, engine.spec())])
+    problems = str(err.value)
+    assert "models: the custom engine needs models named ['policy', 'judge', 'reward', 'ppo_policy']; missing " \
+        "['judge']" in problems
+    assert "models.reward.args_dict.advantage_estimator: the custom engine has no default advantage estimator " \
+        "and reward makes its experience; name one (e.g. gae, grpo)" in problems
+    # the default config's value and ppo_value are models this engine does not use
+    assert "models.value: the custom engine does not use a model named 'value'" in problems
+
+
+def test_the_rlhf_engine_built_in_code_and_from_the_config_are_one_plan():
+    cfg = load_config(f"{REPO}/configs/default.yaml")
+    from_config = resolve_engine(cfg)
+    in_code = RLHFEngine(*[from_config.modules[n] for n in ("policy", "reference", "reward", "value", "ppo_policy",
+                                                            "ppo_value")])
+    assert in_code.resolve(cfg).plan == from_config.plan
