@@ -5,10 +5,11 @@ import pytest
 
 from chatlearn.config import load_config
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.compute_flow import BATCH, Environment, Evaluator, FlowError, Trainer, step, trace
+from chatlearn.runtime.compute_flow import BATCH, Environment, FlowError, Trainer, step, trace
 from chatlearn.runtime.engine import Engine, GRPOMathEngine, RLHFEngine
 from chatlearn.runtime.engines import resolve_engine
 from tests.conftest import REPO
+from tests.custom_flow_example import documented_engine
 
 
 class M(BaseModule):
@@ -20,39 +21,21 @@ def calls(flow):
 
 
 def test_chatlearns_documented_flow_traces_into_its_calls_and_their_inputs():
-    policy, value, reference, reward = M("policy"), M("value"), M("reference"), M("reward")
-    ppo_policy, ppo_value = M("ppo_policy"), M("ppo_value")
-
-    def env_flow(batch):
-        policy_out = policy.forward_step(batch)
-        ref_out = reference.forward_step(policy_out)
-        value_out = value.forward_step(policy_out)
-        reward_out = reward.forward_step(policy_out, ref_out, value_out)
-        return reward_out
-
-    def trainer_flow(batch):
-        ppo_policy.train_step(batch)
-        ppo_value.train_step(batch)
-
-    def eval_flow(batch):
-        r0 = policy.eval_step(batch)
-        r1 = reward.eval_step(r0)
-        return r1
-
-    flow, modules, steps = trace(env_flow, "environment")
-    assert calls(flow) == [("policy.forward_step", [BATCH]), ("reference.forward_step", [0]),
-                           ("value.forward_step", [0]), ("reward.forward_step", [0, 1, 2])]
-    assert [n.level for n in flow.nodes] == [0, 1, 1, 2]  # reference and value do not read each other
-    assert flow.returns == [3] and flow.outputs() == [3] and set(modules) == {"policy", "reference", "value", "reward"}
-    assert steps == {}
-    # tracing leaves the modules as they were
-    assert "forward_step" not in vars(policy)
-    engine = Engine(Environment(env_flow), Trainer(trainer_flow), Evaluator(eval_flow)) \
-        .set_parameter_sync(ppo_policy, policy).set_parameter_sync(ppo_value, value)
-    plan, _ = engine.compile(None)
-    assert plan.producer == "policy" and plan.trainers == ["ppo_policy", "ppo_value"] and plan.export == "ppo_policy"
+    engine = documented_engine(M, M, M, M, M, M, [{"prompt": "a"}], [{"prompt": "b"}])
+    plan, steps = engine.compile(None)
+    assert calls(plan.environment) == [("policy.forward_step", [BATCH]), ("reference.forward_step", [0]),
+                                       ("value.forward_step", [0]), ("reward.forward_step", [0, 1, 2])]
+    assert [n.level for n in plan.environment.nodes] == [0, 1, 1, 2]  # reference and value do not read each other
+    assert plan.environment.returns == [3] and plan.environment.outputs() == [3] and steps == {}
+    assert calls(plan.trainer) == [("ppo_policy.train_step", [BATCH]), ("ppo_value.train_step", [BATCH])]
     assert calls(plan.evaluator) == [("policy.eval_step", [BATCH]), ("reward.eval_step", [0])]
+    assert plan.producer == "policy" and plan.trainers == ["ppo_policy", "ppo_value"] and plan.export == "ppo_policy"
+    assert plan.sync == [("ppo_policy", "policy"), ("ppo_value", "value")]
     assert list(engine.modules) == ["policy", "reference", "value", "reward", "ppo_policy", "ppo_value"]
+    # tracing leaves the modules as they were; the datasets given in code replace the config's files
+    assert not any("forward_step" in vars(m) for m in engine.modules.values())
+    resolved = engine.resolve(load_config(f"{REPO}/configs/default.yaml"))
+    assert resolved.dataset == [{"prompt": "a"}] and resolved.eval_dataset == [{"prompt": "b"}]
 
 
 def test_a_returned_call_upstream_of_another_is_not_merged_twice():
@@ -198,3 +181,34 @@ def test_the_rlhf_engine_built_in_code_and_from_the_config_are_one_plan():
     in_code = RLHFEngine(*[from_config.modules[n] for n in ("policy", "reference", "reward", "value", "ppo_policy",
                                                             "ppo_value")])
     assert in_code.resolve(cfg).plan == from_config.plan
+
+
+def test_a_stages_calls_are_sent_in_the_flows_order_whatever_thread_gets_there_first():
+    import threading
+    import time
+
+    from chatlearn.runtime.calls.turns import Turns
+    from chatlearn.runtime.calls.waiting import StageClock
+    from chatlearn.utils.errors import RunError
+
+    clock, turns, sent = StageClock("score", 0, 30), Turns([1, 2, 3]), []
+
+    def call(node, delay):
+        time.sleep(delay)
+        turns.wait(node, clock)
+        sent.append(node)
+        turns.release(node)
+
+    threads = [threading.Thread(target=call, args=(n, d)) for n, d in ((3, 0.0), (2, 0.05), (1, 0.2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sent == [1, 2, 3]
+    # a call that failed releases its turn; a stage that fails aborts the waiters with an error
+    turns = Turns([1, 2])
+    turns.abort()
+    with pytest.raises(RunError, match="an earlier call of the flow failed"):
+        turns.wait(2, clock)
+    with pytest.raises(RunError, match="did not send its batches before the stage's deadline"):
+        Turns([1, 2]).wait(2, StageClock("score", 0, 0.01))

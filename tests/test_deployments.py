@@ -268,3 +268,35 @@ def test_serve_runs_a_deployment_from_one_process(stack, tmp_path):
         assert (tmp_path / "out" / "served" / "metrics.jsonl").exists()
     finally:
         _stop(serve, signal.SIGINT)  # Ctrl-C, as a user stops it
+
+
+def test_an_engine_of_ones_own_from_the_command_and_its_run_graph(stack, tmp_path):
+    """`chatlearn train examples/custom_engine.yaml`: a user's Engine (examples/custom_engine.py, named by
+    runtime.engine) with two rule rewards combined by weight and a filter step. One episode and its eval: the
+    trained reward is the weighted sum of the two, logged by name; every call of its flows is a task run with the
+    calls it reads as its inputs, and the UI shows the episode's run graph (a screenshot for the README)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+
+    _cli(stack, "train", "examples/custom_engine.yaml", "runtime.num_episode=1", "runtime.sample_per_episode=32",
+         "runtime.generation_batch_size=32", "runtime.train_micro_batch_size=16",
+         "runtime.train_global_batch_size=32", "runtime.eval_episode_interval=1",
+         "runtime.enable_eval_before_training=false", f"runtime.output_dir={tmp_path}", timeout=600)
+    (row,) = [json.loads(line) for line in (tmp_path / "custom_engine" / "metrics.jsonl").read_text().splitlines()]
+    # reward_weights {answer: 1.0, format: 0.5}: the trained score is the weighted sum, each reward logged
+    assert row["reward_mean"] == pytest.approx(row["rewards/answer_mean"] + 0.5 * row["rewards/format_mean"],
+                                               abs=1e-6)
+    # the filter keeps whole prompt groups of 8 (those whose scores differ)
+    assert row["num_samples"] % 8 == 0 and 0 < row["num_samples"] <= 32 and "eval_reward_mean" in row
+    with _client(stack) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["episode-1"])))
+        episode = next(r for r in runs if r.parameters.get("run", {}).get("exp_name") == "custom_engine")
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[episode.id])))
+    by_name = {t.name: t for t in tasks}
+    assert {"policy.forward_step", "reference.forward_step", "format.score_step", "answer.forward_step",
+            "drop_uniform_groups", "ppo_policy.train_step", "policy.eval_forward",
+            "answer.eval_forward"} <= set(by_name)
+    assert {i.id for i in by_name["drop_uniform_groups"].task_inputs["upstream"]} == {by_name["answer.forward_step"].id}
+    assert {i.id for i in by_name["answer.forward_step"].task_inputs["upstream"]} == {
+        by_name["reference.forward_step"].id, by_name["format.score_step"].id}
+    text, _ = chromium(f"{stack['ui']}/runs/flow-run/{episode.id}", BROWSER_OUT / "custom-engine-graph.png")
+    assert "episode-1" in text

@@ -3,6 +3,7 @@ rule reward's guard rails, pair building, pair batches, old log-probs, the GRPO 
 and the LoRA trainer's merged sync."""
 
 import copy
+import os
 import time
 
 import pytest
@@ -112,6 +113,47 @@ def test_fanned_out_scores_are_used_as_given():
     data["scores"] = [0.5, 0.5]  # another call's scores are not this reward's
     data.pop("rewards/reward")
     assert reward.score(data).tolist() == [0.0, 0.0]
+
+
+def test_a_reward_adds_the_other_rewards_scores_by_weight_and_keeps_each():
+    """GRPOMath / a custom engine: the answer reward's inputs hold the format reward's scores (its score_step
+    output); it trains on 1.0 * its own + 0.5 * format, made into group advantages, each reward kept by name."""
+    fn = "chatlearn.tasks.max_digit:max_digit_reward"
+    answer = RuleReward("answer")
+    answer.bind(ModelConfig(num_cpu=1, args_dict={"reward_fn": fn, "advantage_estimator": "grpo",
+                                                  "reward_weights": {"answer": 1.0, "format": 0.5}}),
+                RuntimeConfig(engine="grpo_math"), 0, seed=7)
+    answer.setup()
+    fmt = bound(RuleReward, "format", {"reward_fn": "chatlearn.tasks.max_digit:format_reward"})
+    data = {"prompt": ["max 1 9 ?", "max 1 9 ?", "max 3 4 ?", "max 3 4 ?"], "response": ["9", "9x", "1", "4"],
+            "answer": ["9", "9", "4", "4"], "group_id": [0, 0, 1, 1]}
+    assert fmt.score_step(data)["rewards/format"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    out = answer.forward_step({**data, **fmt.score_step(data)}, 0)
+    own = [1.0, 1.0, 0.5 * (1 - 3 / 9), 1.0]
+    total = [o + 0.5 * f for o, f in zip(own, [1.0, 0.0, 1.0, 1.0], strict=True)]
+    assert out["rewards/answer"].tolist() == pytest.approx(own)
+    assert out["scores"].tolist() == pytest.approx(total)
+    # the group advantages are those of the sum
+    expected = group_advantages_by_id(torch.tensor(total), [0, 0, 1, 1])
+    assert out["advantages"].tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+    # alone, a reward is just its own scores: no name added
+    assert "rewards/answer" not in answer.forward_step(dict(data), 0)
+    assert answer.eval_step({**data, "rewards/format": [1.0, 0.0, 1.0, 1.0]})["scores"].tolist() == \
+        pytest.approx(total)
+
+
+def test_the_examples_filter_step_keeps_the_groups_whose_scores_differ():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "custom_engine.py")
+    spec = importlib.util.spec_from_file_location("custom_engine", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    batch = {"group_id": [0, 0, 1, 1, 2, 2], "scores": torch.tensor([1.0, 1.0, 0.0, 0.5, 0.2, 0.2]),
+             "response_ids": torch.arange(12).view(6, 2), "prompt": list("abcdef")}
+    kept = module.drop_uniform_groups(batch)
+    assert kept["group_id"] == [1, 1] and kept["prompt"] == ["c", "d"]
+    assert kept["response_ids"].tolist() == [[4, 5], [6, 7]] and kept["scores"].tolist() == [0.0, 0.5]
 
 
 # -- pairs -----------------------------------------------------------------------------------------------------

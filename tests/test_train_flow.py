@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.custom_flow_example import documented_engine
 from tests.hooked_reward import HookedReward
 
 pytestmark = pytest.mark.integration
@@ -197,11 +198,10 @@ def live_actor_names(namespace):
 
 def test_chatlearns_custom_flow_example_runs_unchanged(prefect_api, ray_session, tiny_model_dir, tmp_path,
                                                        monkeypatch):
-    """ChatLearn's documented custom flow ("Use Engine directly to construct a custom process", its
-    docs/en/tutorial/custom_model_flow.md), written as its docs write it, with our modules under its names: one
-    episode and its eval. Its rewards are those the policy and the rule give in-process (the simple path)."""
+    """ChatLearn's documented custom flow (`tests/custom_flow_example.py`, as its docs write it) with our modules
+    under its names: one episode and its eval. Its rewards are those the policy and the rule give in-process
+    (the simple path)."""
     import chatlearn
-    from chatlearn import Engine, Environment, Evaluator, Trainer
     from chatlearn.config import EngineChecks
     from chatlearn.data.prompts import load_records
     from chatlearn.models.hf.policy import PolicyInference
@@ -215,38 +215,12 @@ def test_chatlearns_custom_flow_example_runs_unchanged(prefect_api, ray_session,
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
     # an Engine of one's own has no default advantage estimator: the reward that makes the experience names GAE
     cfg = chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine", "runtime.save_episode_interval=1",
-                                      "runtime.eval_episode_interval=1",
+                                      "runtime.eval_episode_interval=1", "runtime.enable_eval_before_training=false",
                                       "models.reward.args_dict.advantage_estimator=gae"))
     train_prompts, val_prompts = load_records(cfg.runtime.data_path), load_records(cfg.runtime.eval_data_path)
 
-    # -- the example, as ChatLearn's docs write it ------------------------------------------------------------
-    policy = PolicyInference("policy")
-    value = ValueInference("value")
-    reference = PolicyReference("reference")
-    reward = RewardInference("reward")
-    ppo_policy = PolicyTrainer("ppo_policy")
-    ppo_value = ValueTrainer("ppo_value")
-    def env_flow(batch):
-        policy_out = policy.forward_step(batch)
-        ref_out = reference.forward_step(policy_out)
-        value_out = value.forward_step(policy_out)
-        reward_out = reward.forward_step(policy_out, ref_out, value_out)
-        return reward_out
-    def trainer_flow(batch):
-        ppo_policy.train_step(batch)
-        ppo_value.train_step(batch)
-    def eval_flow(batch):
-        r0 = policy.eval_step(batch)
-        r1 = reward.eval_step(r0)
-        return r1
-    env = Environment(env_flow)
-    trainer = Trainer(trainer_flow)
-    evaluator = Evaluator(eval_flow).set_dataset(val_prompts)
-    engine = Engine(env, trainer, evaluator) \
-             .set_parameter_sync(ppo_policy, policy) \
-             .set_parameter_sync(ppo_value, value) \
-             .set_dataset(train_prompts)
-    # ---------------------------------------------------------------------------------------------------------
+    engine = documented_engine(PolicyInference, ValueInference, PolicyReference, RewardInference, PolicyTrainer,
+                               ValueTrainer, train_prompts, val_prompts)
     import chatlearn.runtime.prepared as prepared
 
     runs, reads = [], []
