@@ -212,3 +212,21 @@ def test_a_stages_calls_are_sent_in_the_flows_order_whatever_thread_gets_there_f
         turns.wait(2, clock)
     with pytest.raises(RunError, match="did not send its batches before the stage's deadline"):
         Turns([1, 2]).wait(2, StageClock("score", 0, 0.01))
+
+
+def test_chatlearns_eval_engine_of_an_eval_flow_runs_that_flow():
+    from chatlearn.runtime.engine import EvalEngine
+
+    policy, reward, judge = M("policy"), M("reward"), M("judge")
+
+    def eval_flow(batch):
+        p = policy.forward_step(batch)
+        return reward.eval_step(p), judge.eval_step(p)
+
+    engine = EvalEngine(eval_flow)
+    assert engine.own_flows and engine.spec().roles == ("policy", "reward", "judge")
+    plan = engine.resolve(load_config(f"{REPO}/configs/default.yaml")).plan
+    assert [n.name for n in plan.evaluator.nodes] == ["policy.forward_step", "reward.eval_step", "judge.eval_step"]
+    assert plan.evaluator.outputs() == [1, 2] and plan.environment is None and plan.trainer is None
+    # the built-in one, by its models
+    assert not EvalEngine(M("policy"), M("reward")).own_flows

@@ -74,7 +74,7 @@ class Engine(EngineFlows):
         cfg = load_config(source, overrides or (), [checks])
         # a built-in engine given its models in code takes the models it was not given from the config, as
         # before; an engine of one's own is its flows as written
-        own = not self.from_config and self.name not in _CLASSES
+        own = not self.from_config and (self.name not in _CLASSES or self.own_flows)
         return prepare_run(cfg, self._given_modules(), self.name, resolved=self.resolve(cfg) if own else None)
 
     def learn(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
@@ -163,6 +163,7 @@ class EvalEngine(Engine):
         if evaluator is None and eval_flow is not None:
             evaluator = Evaluator(eval_flow)
         if evaluator is not None:
+            self.own_flows = True  # its own eval flow, not the built-in policy -> reward one
             super().__init__(evaluator=evaluator)
         else:
             engines.assemble(self, engines.evaluation(policy, reward))

@@ -111,6 +111,8 @@ class EngineFlows:
     names the flow and the call."""
 
     name = "engine"
+    # an engine of the flows it was given (not a built-in one's under its registered name; EvalEngine(eval_flow))
+    own_flows = False
 
     def __init__(self, environment: Environment | None = None, trainer: Trainer | None = None,
                  evaluator: Evaluator | None = None, name: str | None = None):
@@ -168,7 +170,7 @@ class EngineFlows:
     def spec(self) -> EngineSpec:
         """What the config checks need of this engine: a built-in's registered spec, else the one its flows give
         (the models it calls, its syncs)."""
-        if self.name in ENGINES:
+        if self.name in ENGINES and not self.own_flows:
             return ENGINES[self.name]
         plan, _ = self.compile(None)
         env = plan.environment
