@@ -700,7 +700,7 @@ def main(argv: list[str]) -> dict:
                 print(f"round {rnd + 1}/{args.rounds}: {line}", file=sys.stderr)
 
             pieces = micro(run, args.micro_reps) if args.micro_reps else None
-            rule = run.rule_rewards.get(run.plan.final)
+            rule = next((run.rule_rewards[n.model] for n in run.plan.scorers if n.model in run.rule_rewards), None)
             rule_tasks = rule_task_costs(rule, args.rule_tasks) if rule is not None and args.rule_tasks else None
             profile = None
             if args.profile:
