@@ -46,7 +46,7 @@ _STEP = ray.remote(max_retries=0)(_step_batch)
 
 
 def _send(run: RunHandle, flow: ComputeFlow, index: int, upstream: list[RefBox], batches: Batches,
-          rules: list[Any] | None, clock: StageClock) -> list[Any]:
+          rules: list[Any] | None) -> list[Any]:
     """Send each batch of node ``index`` to its model's replicas (round robin) or to a step task."""
     node = flow.nodes[index]
     # a call whose result is an output of the flow, or goes to a step, carries its inputs: the whole batch
@@ -54,7 +54,7 @@ def _send(run: RunHandle, flow: ComputeFlow, index: int, upstream: list[RefBox],
     if node.model is None:  # a step: a Ray task per batch, on the merged inputs
         step = run.steps[node.name]
         remote = _STEP.options(num_cpus=step.num_cpus)
-        return [remote.remote(step.fn, *[u.refs[i] for u in upstream]) for i in range(batches.count)]
+        return [remote.remote(step.fn, *batch_refs(upstream, i)) for i in range(batches.count)]
     heads = run.heads(node.model)
     if node.method == "train_step":  # a trainer: one call, on the episode's samples
         return [heads[0].train.remote(upstream[0].refs[0], **(batches.train or {}))]
@@ -67,7 +67,7 @@ def _send(run: RunHandle, flow: ComputeFlow, index: int, upstream: list[RefBox],
     for i in range(batches.count):
         extra = [rules[i]] if rules is not None else []
         calls.append(heads[i % len(heads)].forward.remote(
-            *[u.refs[i] for u in upstream], *extra, iteration=batches.first_iteration + i, is_eval=batches.is_eval,
+            *batch_refs(upstream, i), *extra, iteration=batches.first_iteration + i, is_eval=batches.is_eval,
             keep_inputs=keep, flow_method=node.method))
     return calls
 
@@ -81,17 +81,17 @@ def model_call(run: RunHandle, flow: ComputeFlow, node: FlowNode, index: int, up
     try:
         rules = None
         if node.model in run.rule_rewards:  # scored by Prefect tasks on Ray first, off the turn
-            futures = fan_out_rule(run, node.model, [merged_refs(upstream, i) for i in range(batches.count)],
+            futures = fan_out_rule(run, node.model, [batch_refs(upstream, i) for i in range(batches.count)],
                                    batches.episode_start)
             rules = [f.output(clock) for f in futures]
         turns.wait(index, clock)
-        calls = _send(run, flow, index, upstream, batches, rules, clock)
+        calls = _send(run, flow, index, upstream, batches, rules)
     finally:
         turns.release(index)
     return RefBox(clock.get(calls, node.name), node=index)
 
 
-def merged_refs(upstream: list[RefBox], i: int) -> list[Any]:
+def batch_refs(upstream: list[RefBox], i: int) -> list[Any]:
     """Batch ``i`` of every upstream call."""
     return [u.refs[i] for u in upstream]
 
