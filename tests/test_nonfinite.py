@@ -7,13 +7,18 @@ episode: exit 1, one `chatlearn: error:` line and no traceback on the terminal, 
 nothing written for episode 1, no final policy.
 """
 
+import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from chatlearn.checkpoint.model_checkpoint import save_model_checkpoint
@@ -130,6 +135,64 @@ def test_a_checkpoint_with_a_nonfinite_tensor_is_not_written(tmp_path):
     assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000004"]
     with pytest.raises(RunError, match=r"^at \[0\]\.x has nan in 1 of 2 values$"):
         check_finite_tensors([{"x": torch.tensor([NAN, 1.0])}], "at")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sharded_save_worker(rank: int, port: int, path: str, out: dict) -> None:
+    """One rank of a 2-rank FSDP2 model on gloo; rank 1's shard of ``1.weight`` holds a NaN."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from chatlearn.checkpoint.dist_checkpoint import save_sharded
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        optimizer = torch.optim.AdamW(model.parameters())
+        local = model[1].weight.to_local()  # rows split by rank: (2, 8) -> one row of 8 values each
+        if rank == 1:
+            with torch.no_grad():
+                local[0, 3] = NAN
+        t0 = time.monotonic()
+        try:
+            save_sharded(path, model, optimizer, None, dist.group.WORLD, meta={"model": "ppo_policy"})
+            out[rank] = "written"
+        except RunError as exc:
+            out[rank] = str(exc)
+        out[f"seconds{rank}"] = time.monotonic() - t0
+        out[f"exists{rank}"] = os.path.exists(path) or os.path.exists(f"{path}.tmp-dcp")
+        with torch.no_grad():
+            local.nan_to_num_(0.0)
+        save_sharded(path, model, optimizer, None, dist.group.WORLD, meta={"model": "ppo_policy"})  # group intact
+        out[f"after{rank}"] = os.path.isdir(path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_nan_in_one_ranks_shard_stops_every_rank_with_the_same_error(tmp_path):
+    """Sharded (FSDP2) checkpoint on a real 2-rank gloo group: rank 1's shard holds a NaN, rank 0's does not.
+    Both ranks raise the same RunError naming the model, the tensor and the rank, at once (neither waits for
+    the group's timeout in a barrier the other never reaches), nothing is written, and the group still works."""
+    path = str(tmp_path / "ck" / "ppo_policy" / "iter_0000002")
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_sharded_save_worker, args=(_free_port(), path, out), nprocs=2, join=True)
+        result = dict(out)
+    expected = (f"checkpoint {path} not written: ppo_policy weight 1.weight has nan in 1 of 8 values "
+                "(in rank 1's shard)")
+    assert result[0] == result[1] == expected, result
+    assert max(result["seconds0"], result["seconds1"]) < 20, result  # the group's timeout is 60 s
+    assert not result["exists0"] and not result["exists1"]
+    assert result["after0"] and result["after1"]
 
 
 def test_metrics_jsonl_is_strict_json(tmp_path):

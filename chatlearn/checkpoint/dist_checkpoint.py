@@ -9,6 +9,9 @@ loads into any world size and any sharding, a single process included (``tests/t
 Tied weights (names that are one parameter, e.g. tied input/output embeddings) are saved once, under their first
 name; the manifest lists the others as ``aliases`` and loading ties them again (``chatlearn.utils.tied``).
 
+A NaN or an infinity in any rank's shard (weights or optimizer state) is a `RunError` on every rank, naming the
+model, the tensor and the rank, before anything is written (the ranks agree on it first: `agree_finite`).
+
 A write that fails is a `RunError` naming the checkpoint and the OS error (DCP's `CheckpointException`
 carries each rank's error; the first OS error among them is reported). Rank 0 removes the temporary
 directory. A rank that fails before a barrier leaves the others waiting there until the group's timeout, as
@@ -42,6 +45,7 @@ from chatlearn.checkpoint.model_checkpoint import (
     write_manifest,
 )
 from chatlearn.utils.faults import fault_point
+from chatlearn.utils.finite import agree_finite, first_nonfinite
 from chatlearn.utils.storage import os_error_of, writing
 from chatlearn.utils.tied import restore_aliases, tied_aliases
 
@@ -92,13 +96,18 @@ def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     """Write model and optimizer shards, scheduler and every rank's RNG state at ``path`` (all ranks call)."""
     rank = _rank(group)
     tmp = f"{path}.tmp-dcp"
+    state, aliases = _state(model, optimizer)
+    # no non-finite tensor in any rank's shard, agreed by all ranks before anything is written: every rank raises
+    # the same RunError, none waits in a barrier for one that raised alone
+    what = f"checkpoint {path} not written: {(meta or {}).get('model', 'model')}"
+    agree_finite(first_nonfinite(state["model"], f"{what} weight")
+                 or first_nonfinite(state.get("optim"), f"{what} optimizer state"), group)
     with writing("checkpoint", path, cleanup=tmp if rank == 0 else None):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         _barrier(group)
         try:
-            state, aliases = _state(model, optimizer)
             dcp.save(state, checkpoint_id=tmp, process_group=group)
         except CheckpointException as exc:
             found = _os_error_in(exc)

@@ -108,10 +108,44 @@ def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(value, f"{prefix}[{i}]")
 
 
-def check_finite_tensors(tensors: Any, where: str) -> None:
-    """A RunError naming the first tensor (in a nested dict/list, e.g. a state dict or an optimizer state) that
-    holds a NaN or an infinity: ``<where> <name> has nan in 3 of 4096 values``."""
+def first_nonfinite(tensors: Any, where: str) -> str | None:
+    """What `check_finite_tensors` would raise, as its message, or None when every tensor is finite."""
     for name, t in _tensors(tensors, ""):
         bad = nonfinite_summary(t)
         if bad is not None:
-            raise RunError(f"{where} {name or 'a tensor'} has {bad if t.numel() > 1 else 'value ' + bad}")
+            return f"{where} {name or 'a tensor'} has {bad if t.numel() > 1 else 'value ' + bad}"
+    return None
+
+
+def check_finite_tensors(tensors: Any, where: str) -> None:
+    """A RunError naming the first tensor (in a nested dict/list, e.g. a state dict or an optimizer state) that
+    holds a NaN or an infinity: ``<where> <name> has nan in 3 of 4096 values``."""
+    found = first_nonfinite(tensors, where)
+    if found is not None:
+        raise RunError(found)
+
+
+def agree_finite(found: str | None, group: Any) -> None:
+    """Every rank of ``group`` calls this with what it found in its own shard (`first_nonfinite`); when any rank
+    found a non-finite tensor, every rank raises the same RunError (the lowest such rank's message).
+
+    A rank that raised on its own shard would leave its peers waiting in the next collective (a checkpoint's
+    barrier) until the group's timeout. So the ranks agree first: one all-reduce of a flag (the usual case,
+    all finite, costs only that), then, only when it is set, one all-gather of the messages. ``group`` None
+    (one process): raise what was found."""
+    import torch.distributed as dist  # only sharded checkpoints get here
+
+    if group is None or not dist.is_initialized():
+        if found is not None:
+            raise RunError(found)
+        return
+    # NCCL reduces CUDA tensors only; every other backend here (gloo) takes CPU ones
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    flag = torch.tensor([0 if found is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, found, group=group)
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise RunError(f"{message} (in rank {rank}'s shard)")
