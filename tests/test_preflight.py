@@ -111,6 +111,53 @@ def test_a_dpo_pair_counts_its_longer_response(tiny, tmp_path):
     assert out.prompts[1]["prompt"] == prompt[-(CONTEXT - 3 - 1):]
 
 
+def word_reward_model(path, context: int) -> str:
+    """A tiny reward model of another tokenizer and context than the policy's: the tiny Llama's weights with
+    `context` positions, and a word-level tokenizer (one token per word, BOS first) where the policy's counts
+    characters."""
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from chatlearn.models.hf.tiny import SPECIAL_TOKENS, ensure_tiny_model
+
+    ensure_tiny_model(path, {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                             "max_position_embeddings": context})
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + ["max", "?", *"0123456789"])}
+    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(path)
+    return str(path)
+
+
+def test_a_reward_model_of_another_tokenizer_and_context_measures_prompts_its_own_way(tiny, tmp_path):
+    reward = word_reward_model(tmp_path / "reward", context=16)
+    as_model = ["models.reward.args_dict=" + json.dumps({"module": "chatlearn.models.hf.reward:ModelReward",
+                                                         "model_path": reward})]
+    nine = "max " + "1 " * 8 + "?"  # 10 words: 11 reward tokens with BOS (22 policy tokens: too many for 16 - 2)
+    long = "max " + "1 " * 20 + "?"  # 22 words: 23 reward tokens (46 policy tokens: fits the policy's 64 - 2)
+    data = jsonl(tmp_path / "p.jsonl", ["max 1 2 ?", nine, long])
+    with pytest.raises(DataError) as err:
+        checked(tmp_path, f"runtime.data_path={data}", *as_model)
+    assert str(err.value) == (
+        f"{data}:3: prompt of 23 tokens is longer than the 14 that fit (models.reward's context of 16 tokens, "
+        f"max_position_embeddings of {os.path.join(reward, 'config.json')}, under its own tokenizer, minus "
+        "max_new_tokens 2); shorten it, or set models.policy.args_dict.truncate_long_prompts=true to cut long "
+        "prompts to fit (keeping their end)")
+    # cut to fit the reward model (13 words after its BOS), keeping the end; the others untouched
+    out = checked(tmp_path, f"runtime.data_path={data}", *as_model,
+                  "models.policy.args_dict.truncate_long_prompts=true")
+    assert [r["prompt"] for r in out.prompts] == ["max 1 2 ?", nine, "1 " * 12 + "?"]
+    # the policy's max_new_tokens must leave the reward model room for a prompt too
+    with pytest.raises(ConfigError) as err:
+        checked(tmp_path, f"runtime.data_path={data}", *as_model, "models.policy.args_dict.max_new_tokens=16")
+    assert err.value.problems == [
+        f"models.policy.args_dict.max_new_tokens: 16 leaves no room for a prompt in models.reward's context of 16 "
+        f"tokens (max_position_embeddings of {os.path.join(reward, 'config.json')}), which scores the response"]
+
+
 @pytest.mark.parametrize("command,override,first_line", [
     ("train", "runtime.data_path={bad}", "chatlearn: bad data: {bad}:3: not UTF-8 text (byte 17 of the line is "
                                          "0xff: invalid start byte); save the file as UTF-8"),

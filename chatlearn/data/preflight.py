@@ -13,7 +13,13 @@ the run directory; `launch` takes the records from the prepared run), and report
 * a prompt longer than the producer's context (``max_position_embeddings`` of its ``model_path`` config)
   minus what is generated after it (``max_new_tokens``; a DPO pair's longer response and EOS) as a
   DataError naming the file and line, or cut to fit, keeping its end, where the producer's
-  ``args_dict.truncate_long_prompts`` is true.
+  ``args_dict.truncate_long_prompts`` is true;
+* the same for every model that reads prompt+response as text under its own tokenizer (``reads_text``: a
+  reward model of another ``model_path``), against its own context, the prompt counted by its tokenizer, with
+  the producer's reserve for the response (its ``max_new_tokens``, as the policy counts them: a reward
+  tokenizer that splits text finer may still see a longer response). Without it, a reward model with a
+  shorter context or a finer tokenizer than the policy's fails, or scores past its positions, only once a
+  batch reaches it. A cut prompt fits all of them.
 
 Neither Ray nor Prefect is imported here.
 """
@@ -62,7 +68,8 @@ class PreparedData(NamedTuple):
 
 
 class _Budget(NamedTuple):
-    """How long a prompt may be: the producer's tokenizer and context, what follows the prompt."""
+    """How long a prompt may be: a model's tokenizer and context (the producer's, or a text reader's), what
+    follows the prompt (always the producer's reserve)."""
 
     tokenizer: Any
     context: int
@@ -71,7 +78,8 @@ class _Budget(NamedTuple):
     response_keys: tuple[str, ...]
     max_response_tokens: int | None
     truncate: bool
-    owner: str  # "models.<producer>.args_dict"
+    owner: str  # "models.<producer>.args_dict": where truncate_long_prompts is set
+    whose: str = "the model's"  # whose context, for messages: the producer's, or "models.reward's"
 
 
 def record_keys(producer: Any, args: Mapping[str, Any]) -> list[str]:
@@ -151,28 +159,38 @@ def _prepare_data(cfg: ChatLearnConfig, eng: _Engine) -> PreparedData:
                    else load_placed_records(evals, keys) if evals else [])
     budget = _budget(cfg, producer, module) if placed or eval_placed else None
     if budget is not None:
-        placed = _fit(placed, keys[0], budget)
-        eval_placed = _fit(eval_placed, keys[0], budget)
+        budgets = [budget, *_reader_budgets(cfg, eng, budget)]
+        placed = _fit_all(placed, keys[0], budgets)
+        eval_placed = _fit_all(eval_placed, keys[0], budgets)
     return PreparedData([rec for _, rec in placed], [rec for _, rec in eval_placed])
 
 
-def _budget(cfg: ChatLearnConfig, producer: str, module: Any) -> _Budget | None:
-    """The producer's prompt budget, or None where it cannot be known (a module without `model_path`, a model
-    config without a context length): then prompts are not measured."""
+def _fit_all(placed: list[tuple[str, dict[str, Any]]], prompt_key: str,
+             budgets: list[_Budget]) -> list[tuple[str, dict[str, Any]]]:
+    """`_fit` for every budget, until none cuts anything: a prompt cut to fit one tokenizer may, rarely,
+    count longer under another after the cut (each cut only shortens, so this ends)."""
+    while True:
+        before = placed
+        for budget in budgets:
+            placed = _fit(placed, prompt_key, budget)
+        if placed is before or len(budgets) == 1:  # one budget: `_keep_end` checked its own cuts
+            return placed
+
+
+def _model_path(cfg: ChatLearnConfig, name: str, module: Any) -> tuple[Any, str | None]:
+    """A module's validated args and its ``model_path`` (None: it has none, or no args schema)."""
     schema = getattr(module, "args_schema", None)
-    fields = getattr(schema, "model_fields", {})
-    if schema is None or "model_path" not in fields or producer not in cfg.models:
-        return None
-    args = schema.model_validate(cfg.models[producer].args_dict or {})
-    path = getattr(args, "model_path", None)
-    generates = "max_new_tokens" in fields
-    pairs = "chosen_key" in fields and "rejected_key" in fields
-    if not path or not (generates or pairs):
-        return None
+    if schema is None or "model_path" not in getattr(schema, "model_fields", {}) or name not in cfg.models:
+        return None, None
+    args = schema.model_validate(cfg.models[name].args_dict or {})
+    return args, getattr(args, "model_path", None)
+
+
+def _context(path: str, owner: str) -> tuple[Any, int, str] | None:
+    """The tokenizer of ``path``, its context length and where that comes from; None: its config names none."""
     # transformers on demand: `chatlearn config` and the other commands that import this module stay fast
     from transformers import AutoConfig, AutoTokenizer
 
-    owner = f"models.{producer}.args_dict"
     try:
         model_config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -184,7 +202,50 @@ def _budget(cfg: ChatLearnConfig, producer: str, module: Any) -> _Budget | None:
     if not found:
         return None
     field, context = found[0]
-    source = f"{field} of {os.path.join(str(path), 'config.json')}"
+    return tokenizer, context, f"{field} of {os.path.join(str(path), 'config.json')}"
+
+
+def _reader_budgets(cfg: ChatLearnConfig, eng: _Engine, producer_budget: _Budget) -> list[_Budget]:
+    """A budget for each other model of the run that reads prompt+response as text under its own tokenizer
+    (``reads_text``, e.g. `ModelReward`) from another ``model_path`` than the producer's: its tokenizer and
+    context, the producer's reserve for the response and its ``truncate_long_prompts``."""
+    producer = eng.plan.producer
+    _, producer_path = _model_path(cfg, producer, eng.modules[producer])
+    out = []
+    for name, module in eng.modules.items():
+        if name == producer or not getattr(module, "reads_text", False):
+            continue
+        _, path = _model_path(cfg, name, module)
+        if not path or os.path.realpath(str(path)) == os.path.realpath(str(producer_path)):
+            continue  # the producer's own tokenizer and context: measured already
+        found = _context(str(path), f"models.{name}.args_dict")
+        if found is None:
+            continue
+        tokenizer, context, source = found
+        whose = f"models.{name}'s"
+        max_new = producer_budget.max_new_tokens
+        if max_new is not None and max_new >= context:
+            raise ConfigError(f"{producer_budget.owner}.max_new_tokens: {max_new} leaves no room for a prompt in "
+                              f"{whose} context of {context} tokens ({source}), which scores the response")
+        out.append(producer_budget._replace(tokenizer=tokenizer, context=context,
+                                            source=f"{source}, under its own tokenizer", whose=whose))
+    return out
+
+
+def _budget(cfg: ChatLearnConfig, producer: str, module: Any) -> _Budget | None:
+    """The producer's prompt budget, or None where it cannot be known (a module without `model_path`, a model
+    config without a context length): then prompts are not measured."""
+    args, path = _model_path(cfg, producer, module)
+    fields = getattr(module.args_schema, "model_fields", {}) if args is not None else {}
+    generates = "max_new_tokens" in fields
+    pairs = "chosen_key" in fields and "rejected_key" in fields
+    if not path or not (generates or pairs):
+        return None
+    owner = f"models.{producer}.args_dict"
+    found = _context(path, owner)
+    if found is None:
+        return None
+    tokenizer, context, source = found
     max_new = int(args.max_new_tokens) if generates else None
     if max_new is not None and max_new >= context:
         raise ConfigError(f"{owner}.max_new_tokens: {max_new} leaves no room for a prompt in the model's "
@@ -230,7 +291,7 @@ def _room(budget: _Budget, reserve: int) -> str:
     """How the room for a prompt is made up, for messages."""
     after = (f"max_new_tokens {budget.max_new_tokens}" if budget.max_new_tokens is not None
              else f"its longer response and EOS, {reserve} tokens")
-    return f"the model's context of {budget.context} tokens, {budget.source}, minus {after}"
+    return f"{budget.whose} context of {budget.context} tokens, {budget.source}, minus {after}"
 
 
 def _reserves(placed: list[tuple[str, dict[str, Any]]], budget: _Budget) -> list[int]:

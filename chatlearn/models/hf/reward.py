@@ -192,6 +192,8 @@ class ModelReward(_ExperienceMixin, HFModule):
     """A `AutoModelForSequenceClassification` with one label scores prompt+response text."""
 
     args_schema = ModelRewardArgs
+    # prompt+response as text under its own tokenizer: the preflight measures prompts against its context too
+    reads_text = True
 
     def setup(self) -> None:
         ensure_model_files(self.args)
