@@ -19,6 +19,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 
 from chatlearn.runtime.cluster.launch import launch
 from chatlearn.runtime.prepared import handed_down, prepare_run
+from chatlearn.runtime.records.run_lock import lock_run_dir
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
@@ -63,13 +64,16 @@ def _eval(config: ConfigParam | None = None, config_path: str | None = None, ove
     prepared = handed_down() or prepare_run(config_of(config, config_path, overrides, "eval", modules), modules,
                                             "eval")
     cfg, eng = prepared.cfg, prepared.engine
-    with launch(prepared) as (run, _groups, _stream):
-        result = evaluate(run, -1)
-    metrics = dict(result["metrics"], eval_num_samples=run.eval_dataset_size, eval_seconds=result["seconds"],
-                   model_path=(cfg.models[eng.plan.producer].args_dict or {}).get("model_path"))
-    os.makedirs(cfg.runtime.run_dir, exist_ok=True)
-    with open(os.path.join(cfg.runtime.run_dir, "eval.json"), "w") as f:
-        json.dump(metrics, f, indent=1)
+    # one command per run directory, as train (a RunError naming the holder): the eval of a train run locks that
+    # run's directory, whose policy it reads and into which it writes; `chatlearn eval` holds its own already
+    with lock_run_dir(outputs["run_dir"] if train_run else cfg.runtime.run_dir):
+        with launch(prepared) as (run, _groups, _stream):
+            result = evaluate(run, -1)
+        metrics = dict(result["metrics"], eval_num_samples=run.eval_dataset_size, eval_seconds=result["seconds"],
+                       model_path=(cfg.models[eng.plan.producer].args_dict or {}).get("model_path"))
+        os.makedirs(cfg.runtime.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.runtime.run_dir, "eval.json"), "w") as f:
+            json.dump(metrics, f, indent=1)
     for ex in result["examples"][:3]:
         sys.stderr.write(f"    eval: {ex['prompt']!r} -> {ex['response']!r} (score {ex['score']})\n")
     return metrics

@@ -2,6 +2,7 @@
 time and host; the same process may take it again (the CLI, then its train flow); a SIGKILLed holder leaves
 no stale lock; processes the holder starts (Prefect server, Ray) do not inherit it."""
 
+import importlib
 import os
 import signal
 import socket
@@ -78,3 +79,38 @@ def test_children_of_the_holder_do_not_inherit_the_lock(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_an_eval_of_a_run_directory_in_use_is_refused_naming_the_holder(tiny_model_dir, tmp_path, monkeypatch):
+    """The eval flow takes the run directory's lock as train does: a direct eval of a run directory a train holds,
+    and the eval a finished train run triggers (it reads that run's final policy and writes into its directory),
+    are refused naming the holder, before any model process starts; once the holder is gone both go ahead."""
+    eval_flow = importlib.import_module("flows.eval_flow")  # the module (`flows` exports the flow by this name)
+
+    def launched(*_args, **_kwargs):
+        raise AssertionError("launched")
+
+    monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
+    monkeypatch.setattr(eval_flow, "launch", launched)
+    run_dir = tmp_path / "out" / "exp"
+    monkeypatch.setattr(eval_flow, "outputs_of_run",
+                        lambda run: {"run_dir": str(run_dir), "final_policy": tiny_model_dir})
+    direct = {"overrides": [f"runtime.output_dir={tmp_path / 'out'}", "runtime.exp_name=exp"]}
+    triggered = {"train_run": "prefect.flow-run.00000000-0000-0000-0000-000000000001"}
+    train = subprocess.Popen([sys.executable, "-c", TAKE, str(run_dir), "60"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        holder = wait_for_holder(run_dir, train.pid, train)
+        for kwargs in (direct, triggered):
+            with pytest.raises(RunError) as err:
+                eval_flow.eval_flow.fn(**kwargs)
+            assert str(err.value) == (
+                f"run directory {run_dir} is in use by pid {train.pid} (started {holder['started']} on host "
+                f"{socket.gethostname()}); wait for it or use another runtime.exp_name")
+    finally:
+        train.kill()
+        train.wait()
+    for kwargs in (direct, triggered):
+        with pytest.raises(AssertionError, match="launched"):
+            eval_flow.eval_flow.fn(**kwargs)
+    assert take(run_dir).returncode == 0  # and the evals left no lock behind
