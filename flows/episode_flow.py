@@ -18,6 +18,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from chatlearn.runtime.calls.handles import RunHandle
 from chatlearn.runtime.calls.recovery import kill_point
 from chatlearn.runtime.plan import EpisodePlan
+from chatlearn.runtime.records.api_link import keeps_result
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
 from flows.stage_tasks import checkpoint, evaluate, generate, score, sync, train
@@ -35,6 +36,7 @@ STAGES = 6
 # thread for each call of the engine's flows
 @flow(name="episode", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=STAGES),
       validate_parameters=False)
+@keeps_result  # called through api_link.call_flow: an episode is never lost or run twice for the Prefect API
 def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int) -> dict[str, Any]:
     """Run one episode; returns its metrics (small numbers only)."""
     rollouts = generate.submit(run, episode, consumed_samples)

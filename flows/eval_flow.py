@@ -19,6 +19,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 
 from chatlearn.runtime.cluster.launch import launch
 from chatlearn.runtime.prepared import handed_down, prepare_run
+from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
@@ -40,6 +41,7 @@ def outputs_of_run(flow_run: str) -> dict[str, str]:
     return {row["output"]: row["path"] for row in rows}
 
 
+@api_link.keeps_result  # its result survives the Prefect API failing to record the final state
 def _eval(config: ConfigParam | None = None, config_path: str | None = None, overrides: list[str] | None = None,
           train_run: str | None = None, modules: dict[str, Any] | None = None) -> dict:
     """Evaluate once; writes `run_dir/eval.json` and returns the metrics.

@@ -26,7 +26,8 @@ from pydantic import BeforeValidator
 
 from chatlearn.config import ChatLearnConfig, ConfigError, EngineChecks, load_config
 from chatlearn.runtime.prepared import PreparedRun, handing_down, prepare_run
-from chatlearn.runtime.records.prefect_server import local_prefect_api
+from chatlearn.runtime.records import api_link
+from chatlearn.runtime.records.prefect_server import configured_api_url, local_prefect_api
 
 
 def _load_if_not_config(value: Any) -> Any:
@@ -76,8 +77,11 @@ class PrevalidatedFlow(Flow):
             inside = self.prepares_inside_with is not None and kwargs.get(self.prepares_inside_with) is not None
             prepared = None if inside else prepare_run(cfg, modules, engine)
         handing = handing_down(prepared) if prepared is not None else contextlib.nullcontext()
-        with _api_for_direct_call(), handing:
-            return super().__call__(prepared.cfg if prepared is not None else cfg, modules=modules, **kwargs)
+        # watched: the Prefect API going away does not stop the run, nor lose its result when the flow run's
+        # final state cannot be recorded (chatlearn.runtime.records.api_link)
+        with _api_for_direct_call(), handing, api_link.watch(configured_api_url()):
+            return api_link.call_flow(self, (prepared.cfg if prepared is not None else cfg,),
+                                      dict(modules=modules, **kwargs), invoke=super().__call__)
 
 
 def _announce(msg: str) -> None:

@@ -26,6 +26,7 @@ from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batch
 from chatlearn.runtime.calls.handles import RefBox, RunHandle
 from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.compute_flow import BATCH
+from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.evaluation import eval_metrics, eval_results
 from chatlearn.runtime.records.reporting import artifact_key
 from chatlearn.runtime.schedule import checkpoint_due, every
@@ -204,7 +205,7 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     metrics = eval_metrics(results, context, run.eval_post_process_fn)
     examples = [{"prompt": r.get("prompt"), "response": r.get("response"), "score": r.get("scores")}
                 for r in results[:8]]
-    create_table_artifact(key=artifact_key(run.exp_name, "eval-examples"), table=examples,
-                          description=f"eval responses after episode {episode + 1}" if episode >= 0
-                          else "eval responses before training")
+    api_link.send(create_table_artifact, key=artifact_key(run.exp_name, "eval-examples"), table=examples,
+                  description=f"eval responses after episode {episode + 1}" if episode >= 0
+                  else "eval responses before training")
     return {"metrics": metrics, "examples": examples, "seconds": clock.seconds()}

@@ -45,6 +45,8 @@ from chatlearn.runtime.cluster.model_group import ModelGroup
 from chatlearn.runtime.cluster.placement import PlacementError, table_text
 from chatlearn.runtime.plan import ResolvedEngine
 from chatlearn.runtime.prepared import PreparedRun, handed_down, prepare_run
+from chatlearn.runtime.records import api_link
+from chatlearn.runtime.records.prefect_server import configured_api_url
 from chatlearn.runtime.records.profiling import EpisodeInstruments
 from chatlearn.runtime.records.reporting import EpisodeReporter, RunArtifacts, artifact_key, json_safe
 from chatlearn.runtime.records.run_lock import lock_run_dir
@@ -58,6 +60,7 @@ from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
 
+@api_link.keeps_result  # the result of a finished run survives the API failing to record its final state
 def _train(config: ConfigParam | None = None, config_path: str | None = None, overrides: list[str] | None = None,
            modules: dict[str, Any] | None = None, engine: str | None = None) -> dict:
     """Train with a ChatLearn config; returns the last episode's metrics.
@@ -81,7 +84,8 @@ def _train(config: ConfigParam | None = None, config_path: str | None = None, ov
     # re-entry only counts up), and the run and checkpoint directories writable, checked before Ray starts
     lock = lock_run_dir(run_dir, checkpoint_dirs(cfg))
     try:
-        return _train_locked(prepared, run_dir, t_start)
+        with api_link.watch(configured_api_url()):  # a deployment run's too: the API going away stops nothing
+            return _train_locked(prepared, run_dir, t_start)
     except Exception as exc:
         if stopping():  # whatever a stop broke on its way (a killed actor, Ray's signal check): the flow run
             raise Stopped(stop_signal() or "SIGTERM") from exc  # ends Crashed "interrupted", not Failed
@@ -231,8 +235,8 @@ def _show_outputs(cfg: ChatLearnConfig, last: dict[str, Any]) -> None:
     rows = [{"output": "run_dir", "path": str(Path(cfg.runtime.run_dir).resolve())}]
     if last.get("final_policy"):
         rows.append({"output": "final_policy", "path": str(Path(last["final_policy"]).resolve())})
-    create_table_artifact(key=artifact_key(cfg.runtime.exp_name, "outputs"), table=rows,
-                          description=f"where the outputs of {cfg.runtime.exp_name} are")
+    api_link.send(create_table_artifact, key=artifact_key(cfg.runtime.exp_name, "outputs"), table=rows,
+                  description=f"where the outputs of {cfg.runtime.exp_name} are")
 
 
 def _parameter_counts(heads: dict[str, Any], trainers: list[str], timeout_s: float | None) -> dict[str, dict[str, int]]:
@@ -252,8 +256,8 @@ def _show_placement(run: RunHandle) -> None:
     """The realised placement: a table on the terminal and a Prefect artifact (one row per worker process)."""
     n = len(run.placement)
     sys.stderr.write(f"placement ({n} worker process{'es' if n != 1 else ''}):\n{table_text(run.placement)}\n")
-    create_table_artifact(key=artifact_key(run.exp_name, "placement"), table=run.placement,
-                          description=f"where each model rank of {run.exp_name} runs")
+    api_link.send(create_table_artifact, key=artifact_key(run.exp_name, "placement"), table=run.placement,
+                  description=f"where each model rank of {run.exp_name} runs")
 
 
 def _show_layouts(cfg: ChatLearnConfig) -> None:
@@ -294,9 +298,8 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     reporter = EpisodeReporter(cfg, run_dir, first_episode=first)
     artifacts = RunArtifacts(rt.exp_name, run_dir)  # metrics table + curve: one of each per run, kept current
     instruments = EpisodeInstruments.of(rt, groups, first)  # runtime.nsys ranges, runtime.profiler_dir traces
-    progress_id = create_progress_artifact(progress=100.0 * first / max(1, rt.num_episode),
-                                           key=reporter.artifact_key("progress"),
-                                           description=f"episodes of {rt.exp_name}")
+    progress_id = api_link.send(create_progress_artifact, progress=100.0 * first / max(1, rt.num_episode),
+                                key=reporter.artifact_key("progress"), description=f"episodes of {rt.exp_name}")
     if resumed is not None:
         consumed, iteration = resumed.consumed_samples, resumed.train_iteration
     else:
@@ -320,7 +323,8 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             # tells Prefect the run is alive
             wait([h.before_episode.remote() for h in hosts], "before_episode", run.stage_timeout_s)
             with instruments.episode(episode), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                metrics = run_episode(run, episode, consumed, iteration)
+                # a subflow; inside the train flow run while the Prefect API is away (api_link)
+                metrics = api_link.call_flow(run_episode, (run, episode, consumed, iteration))
             wait([h.after_episode.remote() for h in hosts], "after_episode", run.stage_timeout_s)
             consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
             if initial_eval is not None and episode == 0:
@@ -339,13 +343,14 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
                 path = commit_data_checkpoint(cfg, store, metrics)
                 record_progress(cfg, episode + 1)
                 progress.committed = True
-                create_markdown_artifact(
-                    key=reporter.artifact_key("data-checkpoint"),
+                api_link.send(
+                    create_markdown_artifact, key=reporter.artifact_key("data-checkpoint"),
                     markdown=f"latest data checkpoint of **{rt.exp_name}**: episode {episode + 1}, trainer "
                              f"iteration {metrics['iteration']}, `{path}`",
                     description="where a re-run of this config resumes from",
                 )
-            update_progress_artifact(progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
+            if progress_id is not None:
+                api_link.send(update_progress_artifact, progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
             artifacts.update(reporter.rows)
             last = metrics
     finally:

@@ -28,8 +28,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from prefect.events.worker import EventsWorker
-from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 
@@ -84,9 +82,9 @@ def _locked_state() -> Iterator[dict]:
         os.replace(tmp, path)
 
 
-def _start_server(timeout: float) -> tuple[int, str]:
+def _start_server(timeout: float, port: int | None = None) -> tuple[int, str]:
     home = prefect_home()
-    port = _free_port()
+    port = port or _free_port()
     url = f"http://127.0.0.1:{port}/api"
     # The UI asks `GET /ui-settings` where the API is; unset, the server answers Prefect's default port 4200
     # whatever `--port` says, and the page shows "Can't connect to Server API". Both names: old and new.
@@ -120,13 +118,6 @@ def _stop(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _drain_prefect_workers() -> None:
-    """Send queued logs and events while the server is still up (else: 'Error logging to API')."""
-    for worker in (APILogWorker, EventsWorker):
-        with contextlib.suppress(Exception):
-            worker.drain_all(timeout=10)
-
-
 def configured_api_url() -> str | None:
     """The Prefect API this process would talk to, or None (Prefect would fall back to ephemeral mode).
 
@@ -155,6 +146,30 @@ def _join_local_server(timeout: float) -> tuple[str, str]:
         return state["url"], started
 
 
+# a server that is alive but has not answered for this long is taken for hung and started again
+_HUNG_S = 30.0
+
+
+def restart_local_server(url: str, timeout: float = 90.0) -> bool:
+    """Start the shared local server at ``url`` again, on the same port and database, when its process is
+    gone (or hung for `_HUNG_S`); True when it answers. Any run using it may do this (under the state lock:
+    the first one restarts it, the others find it answering). Clients keep their URL, so the flow runs, logs
+    and artifacts of the runs go on where they were."""
+    with _locked_state() as state:
+        if state.get("url") != url or healthy(url):
+            return healthy(url)
+        pid = state.get("pid")
+        if _alive(pid):
+            since = state.setdefault("unhealthy_since", time.time())
+            if time.time() - since < _HUNG_S:
+                return False
+            _stop(pid)
+        state.pop("unhealthy_since", None)
+        port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+        state["pid"], _ = _start_server(timeout, port)
+        return True
+
+
 def _leave_local_server() -> None:
     """Unregister this process; the last live user stops the server (dead users do not count)."""
     me = os.getpid()
@@ -180,14 +195,19 @@ def local_prefect_api(timeout: float = 90.0, announce: Callable[[str], Any] = pr
             with temporary_settings({PREFECT_API_URL: existing}):
                 yield existing
         return
+    from chatlearn.runtime.records import api_link  # it imports this module
+
     url, started = _join_local_server(timeout)
     announce(f"Prefect UI ({started} local server): {url.removesuffix('/api')}")
     os.environ["PREFECT_API_URL"] = url
     try:
-        with temporary_settings({PREFECT_API_URL: url}):
+        # the server this run uses is started again if it dies meanwhile (api_link)
+        with temporary_settings({PREFECT_API_URL: url}), api_link.watch(url, lambda: restart_local_server(url)):
             yield url
     finally:
-        _drain_prefect_workers()
+        # queued logs and events go out while the server is still up (else: 'Error logging to API'), for a
+        # bounded time: a server that is gone must not hold the command at exit
+        api_link.drain_prefect(timeout=10)
         os.environ.pop("PREFECT_API_URL", None)
         _leave_local_server()
 
@@ -198,8 +218,8 @@ def serve_forever(announce: Callable[[str], Any] = print, timeout: float = 90.0)
     Starts or joins the server as `local_prefect_api` does, but always the local one (an API set in this
     shell is only mentioned): the point is a UI that outlives runs, and a URL to export for `prefect`
     commands and workers. This process counts as a user, so runs join the server and leave it up; on a
-    signal it leaves like a run does, stopping the server if no run uses it. Raises RuntimeError if the
-    server process dies meanwhile (see `CHATLEARN_PREFECT_HOME/server.log`).
+    signal it leaves like a run does, stopping the server if no run uses it. A server process that dies meanwhile
+    is started again on the same port and database (see `CHATLEARN_PREFECT_HOME/server.log` for why it died).
     """
     other = configured_api_url()
     stop = threading.Event()  # handlers first: a signal while the server starts still leaves cleanly
@@ -211,8 +231,6 @@ def serve_forever(announce: Callable[[str], Any] = print, timeout: float = 90.0)
             signal.signal(sig, handler)
         raise
     try:
-        with _locked_state() as state:
-            server_pid = state.get("pid")
         announce(f"Prefect UI ({started} local server): {url.removesuffix('/api')}")
         if other and other != url:
             announce(f"note: PREFECT_API_URL is set to {other} here; runs started with it use that API")
@@ -220,9 +238,13 @@ def serve_forever(announce: Callable[[str], Any] = print, timeout: float = 90.0)
         announce("serving until Ctrl-C (runs started meanwhile use this server and leave it up)")
         sys.stdout.flush()  # `print` into a pipe or file would hold the lines back until we exit
         while not stop.wait(1.0):
-            if not _alive(server_pid):
-                raise RuntimeError(f"the Prefect server (pid {server_pid}) exited; "
-                                   f"see {prefect_home() / 'server.log'}")
+            with _locked_state() as state:
+                server_pid = state.get("pid")
+            if not _alive(server_pid):  # a run may have started it again already; else this does
+                announce(f"the Prefect server (pid {server_pid}) exited; starting it again on the same database "
+                         f"(see {prefect_home() / 'server.log'})")
+                restart_local_server(url, timeout)
+                sys.stdout.flush()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

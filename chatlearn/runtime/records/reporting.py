@@ -18,6 +18,7 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from tqdm import tqdm
 
 from chatlearn.config import ChatLearnConfig
+from chatlearn.runtime.records import api_link
 from chatlearn.utils.storage import writing
 
 # Column order of the metrics line and the artifact table (keys that are absent are skipped).
@@ -201,14 +202,17 @@ class RunArtifacts:
                     f"({episodes}; also `{self.curves_path}`)")
         table_about = f"per-episode metrics of {self.exp_name} ({episodes})"
         curve_about = f"reward / KL / eval curve of {self.exp_name}"
+        # through api_link: while the Prefect API is away they are skipped, and the next update catches up
         if not self.ids:
-            self.ids["metrics"] = create_table_artifact(key=artifact_key(self.exp_name, "metrics"), table=table,
-                                                        description=table_about)
-            self.ids["curves"] = create_markdown_artifact(key=artifact_key(self.exp_name, "curves"),
-                                                          markdown=markdown, description=curve_about)
+            ids = {"metrics": api_link.send(create_table_artifact, key=artifact_key(self.exp_name, "metrics"),
+                                            table=table, description=table_about),
+                   "curves": api_link.send(create_markdown_artifact, key=artifact_key(self.exp_name, "curves"),
+                                           markdown=markdown, description=curve_about)}
+            if all(ids.values()):
+                self.ids.update(ids)
             return
-        self._update("metrics", json.dumps(table), table_about)
-        self._update("curves", markdown, curve_about)
+        api_link.send(self._update, "metrics", json.dumps(table), table_about)
+        api_link.send(self._update, "curves", markdown, curve_about)
 
     def _update(self, what: str, data: str, description: str) -> None:
         # a table's data is its rows as a JSON string, a markdown artifact's the markdown (as Prefect creates them)

@@ -1,0 +1,128 @@
+"""The Prefect API going away (chatlearn.runtime.records.api_link), in the small: what counts as the API being
+unreachable, informing calls dropped while it is, and a flow body whose result survives the API failing around
+it without being run twice. The real runs (a killed server, restarted or not) are in tests/test_resume.py."""
+
+import logging
+
+import httpx
+import pytest
+
+from chatlearn.runtime.records import api_link
+from chatlearn.runtime.records.api_link import ApiLink, call_flow, keeps_result, unreachable
+
+
+def _connect_error() -> httpx.ConnectError:
+    return httpx.ConnectError("[Errno 111] Connection refused")
+
+
+def test_unreachable_follows_the_chain_and_knows_only_transport_errors():
+    assert unreachable(_connect_error())
+    assert unreachable(httpx.ReadTimeout("slow"))
+    try:
+        try:
+            raise _connect_error()
+        except httpx.ConnectError as inner:
+            raise RuntimeError("set_flow_run_state failed") from inner
+    except RuntimeError as outer:
+        assert unreachable(outer)
+    assert not unreachable(ValueError("a reward hook's own error"))
+    assert not unreachable(RuntimeError("no cause"))
+
+
+class _Said(list):
+    def __call__(self, msg):
+        self.append(msg)
+
+
+@pytest.fixture
+def link(monkeypatch):
+    said = _Said()
+    link = ApiLink("http://127.0.0.1:9/api", say=said)  # not started: no watcher thread, `up` set by hand
+    monkeypatch.setattr(api_link, "_current", link)
+    yield link, said
+    logging.raiseExceptions = True
+
+
+def test_informing_calls_are_dropped_while_down_and_when_they_fail_with_the_api(link):
+    link, said = link
+    calls = []
+    assert api_link.send(lambda x: calls.append(x) or "id", 1) == "id"
+
+    def dies():
+        raise _connect_error()
+
+    assert api_link.send(dies) is None  # dropped: the API failed it
+    assert not link.up and link.skipped == 1
+    assert len(said) == 1 and "does not answer" not in said[0] and "failed a call (ConnectError)" in said[0]
+    assert api_link.send(lambda: calls.append(2)) is None  # not even tried while down
+    assert calls == [1] and link.skipped == 2
+    link.down()  # one line per outage
+    assert len(said) == 1
+
+    def bug():
+        raise KeyError("ours")
+
+    link._back()
+    with pytest.raises(KeyError):  # an error of ours is never swallowed
+        api_link.send(bug)
+
+
+def test_a_flow_body_that_finished_keeps_its_result_when_the_api_fails_to_record_it(link):
+    link, said = link
+    runs = []
+
+    @keeps_result
+    def body(x):
+        runs.append(x)
+        return {"episode": x}
+
+    def engine_fails_after(*args, **kwargs):  # as Prefect's engine: the body runs, then set_state raises
+        body(*args, **kwargs)
+        raise _connect_error()
+
+    assert call_flow(body, (3,), invoke=engine_fails_after) == {"episode": 3}
+    assert runs == [3]  # run once, never again
+    assert not link.up and len(said) == 1
+
+
+def test_the_bodys_own_error_wins_over_the_api_failing_to_record_it(link):
+    link, _ = link
+
+    @keeps_result
+    def body():
+        raise ValueError("the reward hook raised")
+
+    def engine(*args, **kwargs):
+        try:
+            body()
+        except ValueError:
+            raise _connect_error() from None
+
+    with pytest.raises(ValueError, match="reward hook"):
+        call_flow(body, invoke=engine)
+
+
+def test_a_top_level_flow_that_could_not_start_fails_with_the_api_error(link):
+    link, _ = link
+
+    @keeps_result
+    def body():
+        raise AssertionError("never runs")
+
+    def engine(*args, **kwargs):
+        raise _connect_error()
+
+    with pytest.raises(httpx.ConnectError):  # no parent flow run to run it in
+        call_flow(body, invoke=engine)
+
+
+def test_outside_a_watched_run_a_flow_is_a_plain_call(monkeypatch):
+    monkeypatch.setattr(api_link, "_current", None)
+
+    @keeps_result
+    def body(x):
+        return x + 1
+
+    assert call_flow(body, (1,)) == 2
+    with pytest.raises(httpx.ConnectError):
+        call_flow(body, invoke=lambda: (_ for _ in ()).throw(_connect_error()))
