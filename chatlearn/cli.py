@@ -185,9 +185,17 @@ def cmd_deploy(items: list[str], how: str, name: str | None, cron: str | None, o
                       f"{ui}/deployments (Ctrl-C stops serving and pauses its schedule)")
             deployments.serve(cfg, spec, evaluate)
             return 0
-        ids = deployments.deploy(cfg, spec, evaluate)
+        ids, open_variables = deployments.deploy(cfg, spec, evaluate)
     for full_name, dep_id in ids.items():
         print(f"deployed {full_name}: {ui}/deployments/deployment/{dep_id}")
+    print("pinned: the engine, hooks, module classes and runtime_env of this config; no run can change them "
+          "(deploy again to)")
+    if open_variables:
+        _announce(f"chatlearn: warning: work pool {spec.work_pool!r} lets every run set the job variables "
+                  f"{', '.join(open_variables)}, so whoever can start a run can run any command on the worker; "
+                  "a pool chatlearn deploy creates has none (--work-pool NEW, or recreate it with "
+                  "`prefect work-pool create NAME --type process --overwrite --base-job-template "
+                  "deployments/work-pool.json`)")
     schedule = f"scheduled '{spec.cron}' ({spec.timezone or 'UTC'})" if spec.cron else "no schedule"
     print(f"{schedule}; overlapping runs: {spec.on_overlap}; work pool: {spec.work_pool}")
     print(f"runs need a worker: PREFECT_API_URL={url} prefect worker start --pool {spec.work_pool}")

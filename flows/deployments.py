@@ -11,6 +11,8 @@ What a deployment holds:
 - **the schedule** (`--cron`, or the config's own `deployment.cron`);
 - **the overlap rule**: a deployment concurrency limit of one, so a scheduled run that finds the previous
   run still going is cancelled (`skip`) or waits (`queue`), never two runs writing one run directory;
+- **its code, pinned**: the fields that name code to import or packages to install (hooks, module classes,
+  the engine, runtime_env) are fixed when it is deployed; no run of it can change them (`flows.pins`);
 - with `--evaluate`, **an eval deployment that an automation starts when a run of this train deployment
   completes** (an event trigger on `prefect.flow-run.Completed`), evaluating that run's `final/policy`: the
   continuous-evaluation pattern.
@@ -27,10 +29,15 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.client.schemas.schedules import CronSchedule
+from prefect.deployments.runner import RunnerDeployment
+from prefect.deployments.runner import deploy as prefect_deploy
 from prefect.events import DeploymentEventTrigger
 from prefect.exceptions import ObjectNotFound
+from prefect.utilities.callables import ParameterSchema
+from prefect.workers.process import ProcessWorker
 
 from chatlearn.config import ChatLearnConfig
+from flows import pins
 from flows.eval_flow import eval_flow
 from flows.train_flow import train_flow
 
@@ -109,18 +116,41 @@ def eval_trigger(train_deployment_id: Any) -> DeploymentEventTrigger:
     )
 
 
-def ensure_work_pool(name: str) -> bool:
-    """Create the process work pool if missing; True when it was created."""
+# Job variables of Prefect's process work pool that let a run's parameters choose what the worker executes (its
+# shell command, its environment, its directory): left out of the pool chatlearn creates, so a run started from
+# the UI or the API cannot run a command of its choice. The worker's own environment still reaches its runs.
+RUN_CHOSEN_JOB_VARIABLES = ("command", "env", "working_dir")
+
+
+def locked_job_template() -> dict[str, Any]:
+    """Prefect's process work pool template without RUN_CHOSEN_JOB_VARIABLES (and no others: the server refuses
+    a run or deployment that sets one). `deployments/work-pool.json` holds the same for `prefect work-pool
+    create --base-job-template`."""
+    template = ProcessWorker.get_default_base_job_template()
+    for key in RUN_CHOSEN_JOB_VARIABLES:
+        template["job_configuration"].pop(key, None)
+        template["variables"]["properties"].pop(key, None)
+    template["variables"]["additionalProperties"] = False
+    return template
+
+
+def ensure_work_pool(name: str) -> list[str]:
+    """Create the process work pool if missing, with `locked_job_template`; the job variables of
+    RUN_CHOSEN_JOB_VARIABLES that the (existing) pool lets a run set."""
     with get_client(sync_client=True) as client:
         try:
             pool = client.read_work_pool(name)
         except ObjectNotFound:
-            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
-            return True
+            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=locked_job_template()))
+            return []
         if pool.type != "process":
             raise ValueError(f"deployment.work_pool: work pool {name!r} is of type {pool.type!r}; chatlearn deploys "
                              "to a process work pool (name another pool, or let chatlearn create one)")
-        return False
+        variables = (pool.base_job_template or {}).get("variables", {})
+        if not variables:  # no schema: the server checks no job variable
+            return list(RUN_CHOSEN_JOB_VARIABLES)
+        return [key for key in RUN_CHOSEN_JOB_VARIABLES if key in variables.get("properties", {})
+                or variables.get("additionalProperties", True) is not False]
 
 
 def _source(entry: str) -> Any:
@@ -129,32 +159,52 @@ def _source(entry: str) -> Any:
     return Flow.from_source(source=os.getcwd(), entrypoint=f"{_FLOWS_DIR / (entry + '.py')}:{entry}")
 
 
-def deploy(cfg: ChatLearnConfig, spec: DeploymentSpec, evaluate: bool = False) -> dict[str, str]:
-    """Register the train deployment (and the triggered eval one) on `spec.work_pool`; name -> deployment id."""
-    ensure_work_pool(spec.work_pool)
-    params = {"config": form_defaults(cfg)}
-    common = dict(work_pool_name=spec.work_pool, build=False, push=False, print_next_steps=False,
-                  enforce_parameter_schema=True, ignore_warnings=True, tags=["chatlearn"])
-    train_id = _source("train_flow").deploy(
-        name=spec.name, parameters=params, concurrency_limit=spec.concurrency(), **spec.schedule_kwargs(),
-        description=f"train {cfg.runtime.exp_name}: the run form is the config", **common)
-    ids = {f"{TRAIN_FLOW}/{spec.name}": str(train_id)}
+def _pinned(deployment: RunnerDeployment, cfg: ChatLearnConfig) -> RunnerDeployment:
+    """The deployment with the config's code fields pinned in its parameter schema (`flows.pins`)."""
+    schema = pins.pin_schema(deployment._parameter_openapi_schema.model_dump_for_openapi(), cfg)
+    deployment._parameter_openapi_schema = ParameterSchema(**schema)
+    return deployment
+
+
+def deploy(cfg: ChatLearnConfig, spec: DeploymentSpec, evaluate: bool = False) -> tuple[dict[str, str], list[str]]:
+    """Register the train deployment (and the triggered eval one) on `spec.work_pool`, their code pinned
+    (`flows.pins`): (name -> deployment id, the job variables of RUN_CHOSEN_JOB_VARIABLES its runs may set)."""
+    open_variables = ensure_work_pool(spec.work_pool)
+    common = dict(work_pool_name=spec.work_pool, parameters={"config": form_defaults(cfg)},
+                  enforce_parameter_schema=True, tags=["chatlearn"])
+
+    def register(full_name: str, deployment: RunnerDeployment) -> str:
+        (dep_id,) = prefect_deploy(_pinned(deployment, cfg), work_pool_name=spec.work_pool, build=False,
+                                   push=False, print_next_steps_message=False, ignore_warnings=True)
+        pins.record(dep_id, full_name, cfg)
+        return str(dep_id)
+
+    train_name = f"{TRAIN_FLOW}/{spec.name}"
+    ids = {train_name: register(train_name, _source("train_flow").to_deployment(
+        name=spec.name, concurrency_limit=spec.concurrency(), **spec.schedule_kwargs(),
+        description=f"train {cfg.runtime.exp_name}: the run form is the config", **common))}
     if evaluate:
-        eval_id = _source("eval_flow").deploy(
-            name=spec.eval_name, parameters=params, triggers=[eval_trigger(train_id)],
-            description=f"evaluate the final policy of each completed run of {TRAIN_FLOW}/{spec.name}", **common)
-        ids[f"{EVAL_FLOW}/{spec.eval_name}"] = str(eval_id)
-    return ids
+        eval_name = f"{EVAL_FLOW}/{spec.eval_name}"
+        ids[eval_name] = register(eval_name, _source("eval_flow").to_deployment(
+            name=spec.eval_name, triggers=[eval_trigger(ids[train_name])],
+            description=f"evaluate the final policy of each completed run of {train_name}", **common))
+    return ids, open_variables
 
 
 def serve(cfg: ChatLearnConfig, spec: DeploymentSpec, evaluate: bool = False) -> None:
-    """Serve the train deployment (and the triggered eval one) from this process until it is stopped."""
+    """Serve the train deployment (and the triggered eval one) from this process until it is stopped, their
+    code pinned (`flows.pins`)."""
     params = {"config": form_defaults(cfg)}
-    train = train_flow.to_deployment(name=spec.name, parameters=params, concurrency_limit=spec.concurrency(),
-                                     enforce_parameter_schema=True, tags=["chatlearn"], **spec.schedule_kwargs())
+    train = _pinned(train_flow.to_deployment(name=spec.name, parameters=params, concurrency_limit=spec.concurrency(),
+                                             enforce_parameter_schema=True, tags=["chatlearn"],
+                                             **spec.schedule_kwargs()), cfg)
+    train_id = train.apply()
+    pins.record(train_id, f"{TRAIN_FLOW}/{spec.name}", cfg)
     deployments = [train]
     if evaluate:
-        train_id = train.apply()
-        deployments.append(eval_flow.to_deployment(name=spec.eval_name, parameters=params, tags=["chatlearn"],
-                                                   triggers=[eval_trigger(train_id)], enforce_parameter_schema=True))
+        evaluation = _pinned(eval_flow.to_deployment(name=spec.eval_name, parameters=params, tags=["chatlearn"],
+                                                     triggers=[eval_trigger(train_id)], enforce_parameter_schema=True),
+                             cfg)
+        pins.record(evaluation.apply(), f"{EVAL_FLOW}/{spec.eval_name}", cfg)
+        deployments.append(evaluation)
     prefect_serve(*deployments, print_starting_message=False)

@@ -21,6 +21,7 @@ from chatlearn.runtime.cluster.launch import launch
 from chatlearn.runtime.prepared import handed_down, prepare_run
 from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.run_lock import lock_run_dir
+from flows.pins import check_run
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
@@ -55,6 +56,7 @@ def _eval(config: ConfigParam | None = None, config_path: str | None = None, ove
             passes): its `final/policy` is evaluated and `eval.json` goes into its run directory's `eval/`
         modules: model objects by role (Python callers only)
     """
+    check_run(config, config_path, overrides, modules=modules)  # a deployment's run: its code as deployed
     overrides = list(overrides or ())
     if train_run:
         outputs = outputs_of_run(train_run)

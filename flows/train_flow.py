@@ -56,6 +56,7 @@ from chatlearn.utils.errors import RunError
 from chatlearn.utils.faults import crash_point
 from chatlearn.utils.storage import writing
 from flows.episode_flow import episode_runner
+from flows.pins import check_run
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
@@ -74,6 +75,7 @@ def _train(config: ConfigParam | None = None, config_path: str | None = None, ov
         engine: the engine (`rlhf`, `grpo`, `dpo`, `online_dpo`); default: `runtime.engine`
     """
     t_start = time.perf_counter()
+    check_run(config, config_path, overrides, engine, modules)  # a deployment's run: its code as deployed
     # a direct call prepared the run before the flow run existed; a deployment run prepares it here: config
     # checks, model paths, data, prompt lengths (ConfigError, DataError) before any actor exists
     prepared = handed_down() or prepare_run(

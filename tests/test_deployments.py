@@ -83,8 +83,10 @@ def stack(tiny_model_dir):
         ui = _wait_for_line(server_log, "Prefect UI (started local server):")  # the address a user opens
         assert url == f"{ui}/api"
         env["PREFECT_API_URL"] = url
+        # the pool as the README creates it: no job variable lets a run choose what the worker executes
         subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", "chatlearn", "--type", "process",
-                        "--overwrite"], env=env, check=True, capture_output=True, timeout=120)
+                        "--overwrite", "--base-job-template", os.path.join(REPO, "deployments", "work-pool.json")],
+                       env=env, check=True, capture_output=True, timeout=120)
         worker_log = home / "worker.out"
         worker = _popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "chatlearn"],
                         env=env, cwd=home, stdout=open(worker_log, "w"), stderr=subprocess.STDOUT)
@@ -165,9 +167,11 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
 
     # 2. `chatlearn deploy`: the config is the form, with its schedule and an eval triggered on completion
     (tmp_path / "tiny.yaml").write_text(TINY.format(repo=REPO))
-    out = _cli(stack, "deploy", "tiny.yaml", "--cron", "0 3 * * *", "--name", "tiny", "--evaluate",
-               cwd=tmp_path).stdout
+    deployed = _cli(stack, "deploy", "tiny.yaml", "--cron", "0 3 * * *", "--name", "tiny", "--evaluate", cwd=tmp_path)
+    out = deployed.stdout
     assert f"deployed chatlearn-train/tiny: {stack['ui']}/deployments/deployment/" in out
+    assert "pinned: the engine, hooks, module classes and runtime_env" in out
+    assert "warning: work pool" not in deployed.stderr  # the README's pool lets no run choose the command
     with _client(stack) as client:
         dep = client.read_deployment_by_name("chatlearn-train/tiny")
         eval_dep = client.read_deployment_by_name("chatlearn-eval/tiny-eval")
@@ -185,6 +189,33 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
             client.create_flow_run_from_deployment(dep.id, parameters={"config": bad})
         assert "config.runtime.num_episode" in str(refused.value)
 
+        # 3b. the code is pinned: the server refuses a changed hook, an override of one, a command of a run's own
+        (tmp_path / "pin_marker.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n\n"
+                                                "def fn(sample):\n    return 0.0\n")
+        hooked = json.loads(json.dumps(form))
+        hooked["models"]["reward"]["args_dict"]["reward_fn"] = "pin_marker:fn"
+        with pytest.raises(PrefectHTTPStatusError) as refused:
+            client.create_flow_run_from_deployment(dep.id, parameters={"config": hooked})
+        assert "config.models.reward.args_dict.reward_fn" in str(refused.value)
+        with pytest.raises(PrefectHTTPStatusError) as refused:
+            client.create_flow_run_from_deployment(dep.id, parameters={
+                "config": form, "overrides": ["runtime.relay_sample_fn=pin_marker:fn"]})
+        assert "overrides[0]" in str(refused.value)
+        with pytest.raises(PrefectHTTPStatusError) as refused:
+            client.create_flow_run_from_deployment(dep.id, parameters={"config": form},
+                                                   job_variables={"command": f"touch {tmp_path / 'ran'}"})
+        assert "command" in str(refused.value)
+        # a client may ask the server to skip the schema: the flow refuses the changed hook before importing it
+        skipped = client.request("POST", "/deployments/{id}/create_flow_run", path_params={"id": dep.id}, json={
+            "parameters": {"config": hooked}, "enforce_parameter_schema": False, "state": {"type": "SCHEDULED"}})
+        skipped_id = skipped.json()["id"]
+    failed = _wait_final(stack, skipped_id)
+    assert failed.state.type.value == "FAILED", failed.state.message
+    assert "models.reward.args_dict.reward_fn: 'pin_marker:fn' differs from " \
+           "'chatlearn.tasks.max_digit:max_digit_reward', pinned when chatlearn-train/tiny was deployed" \
+        in failed.state.message, failed.state.message
+    assert not (tmp_path / "imported").exists() and not (tmp_path / "ran").exists()
+    with _client(stack) as client:
         # 4. a run from the form (one field changed) and, at once, a second: the overlap rule skips it
         form["runtime"]["exp_name"] = "from-form"
         first = client.create_flow_run_from_deployment(dep.id, parameters={"config": form})

@@ -12,6 +12,7 @@ import contextlib
 import importlib.metadata
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, file_source, is_file_form, module_source
@@ -22,13 +23,36 @@ def config_dir(cfg: ChatLearnConfig) -> str | None:
     return next((m.config_dir for m in cfg.models.values() if m.config_dir), None)
 
 
+# Every config field that names code to import or packages to install, as dotted paths (``*``: any model name,
+# any key): the engine (``runtime.engine`` may be ``module:Class``), the relay and eval hooks, each model's module
+# class and reward function, and the Ray runtime env (pip packages, py_modules, working_dir, ...). What a
+# deployment pins (`flows.pins`); `hook_specs` imports from these and no other field.
+CODE_FIELDS = ("runtime.engine", "runtime.relay_sample_fn", "runtime.eval_post_process_fn",
+               "models.*.args_dict.module", "models.*.args_dict.reward_fn", "runtime_env.*")
+
+
+def code_fields(cfg: ChatLearnConfig) -> dict[str, Any]:
+    """The values of CODE_FIELDS in ``cfg`` (JSON), by dotted path: every model's own, runtime_env key by key;
+    a field the config does not set is None."""
+    data = cfg.model_dump(mode="json")
+    out: dict[str, Any] = {}
+    for pattern in CODE_FIELDS:
+        level: list[tuple[str, Any]] = [("", data)]
+        for part in pattern.split("."):
+            nxt = []
+            for prefix, node in level:
+                node = node if isinstance(node, dict) else {}
+                keys = list(node) if part == "*" else [part]
+                nxt += [(f"{prefix}.{key}" if prefix else key, node.get(key)) for key in keys]
+            level = nxt
+        out.update(level)
+    return out
+
+
 def hook_specs(cfg: ChatLearnConfig) -> list[str]:
     """Every ``module:name`` the config names: module classes, reward functions, the relay and eval hooks, an
-    engine class of one's own."""
-    specs = [cfg.runtime.relay_sample_fn, cfg.runtime.eval_post_process_fn, cfg.runtime.engine]
-    for model in cfg.models.values():
-        args = model.args_dict or {}
-        specs += [args.get("module"), args.get("reward_fn")]
+    engine class of one's own (CODE_FIELDS but the runtime env)."""
+    specs = [v for path, v in code_fields(cfg).items() if not path.startswith("runtime_env.")]
     return [s for s in dict.fromkeys(specs) if isinstance(s, str) and ":" in s]
 
 
