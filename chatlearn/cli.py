@@ -153,11 +153,29 @@ def cmd_train(items: list[str]) -> int:
     return 0
 
 
-def cmd_server() -> int:
+def cmd_server(host: str, port: int | None) -> int:
+    """`server`: basic authentication when PREFECT_SERVER_API_AUTH_STRING (Prefect's server setting) is set,
+    required on any address but the loopback one."""
     # lazy: Prefect loads only when a command needs it
-    from chatlearn.runtime.records.prefect_server import serve_forever
+    from prefect.settings import PREFECT_SERVER_API_AUTH_STRING
 
-    serve_forever(announce=_announce)
+    from chatlearn.runtime.records.prefect_server import LOOPBACK, ServerSettings, serve_forever  # lazy, as above
+
+    auth = PREFECT_SERVER_API_AUTH_STRING.value()
+    auth = auth.get_secret_value() if hasattr(auth, "get_secret_value") else auth
+    if auth is not None and (":" not in auth or not all(auth.split(":", 1))):
+        print("chatlearn: error: PREFECT_SERVER_API_AUTH_STRING must be user:password (it is not shown)",
+              file=sys.stderr)
+        return 2
+    if host not in (LOOPBACK, "localhost") and not auth:
+        print(f"chatlearn: error: --host {host} would open the Prefect API to every machine that reaches this "
+              "one, without authentication: set PREFECT_SERVER_API_AUTH_STRING=user:password (and "
+              "PREFECT_API_AUTH_STRING to the same on every client: runs, workers, `prefect` commands)",
+              file=sys.stderr)
+        return 2
+    if auth:  # this process is a client of its server too (it may start it again)
+        os.environ["PREFECT_API_AUTH_STRING"] = auth
+    serve_forever(announce=_announce, server=ServerSettings(host, port, auth))
     return 0
 
 
@@ -253,7 +271,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serve a deployment of the config from this process (Prefect's flow.serve: no work pool, no "
               "worker) until Ctrl-C", 'chatlearn serve default --cron "*/30 * * * *"'),
     "server": ("start the local Prefect server the way `train` does and keep it up until Ctrl-C; prints the UI "
-               "address and the PREFECT_API_URL for workers", "chatlearn server"),
+               "address and the PREFECT_API_URL for workers; basic authentication with "
+               "PREFECT_SERVER_API_AUTH_STRING=user:password",
+               "chatlearn server --host 0.0.0.0 --port 4200   # PREFECT_SERVER_API_AUTH_STRING=user:password exported"),
 }
 
 
@@ -265,6 +285,11 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {example}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "server":
+            p.add_argument("--host", default="127.0.0.1",
+                           help="address to listen on (default 127.0.0.1; 0.0.0.0: every address, for a cluster); "
+                                "any but 127.0.0.1 needs PREFECT_SERVER_API_AUTH_STRING=user:password, the basic "
+                                "authentication every client then sends as PREFECT_API_AUTH_STRING")
+            p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
             continue
         if name == "plan":
             p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
@@ -317,7 +342,7 @@ def _main(argv: list[str] | None) -> int:
         if ns.command == "plan":
             return cmd_plan(ns.args, ns.nodes, ns.gpus_per_node, ns.cpus_per_node)
         if ns.command == "server":
-            return cmd_server()
+            return cmd_server(ns.host, ns.port)
         if ns.command in ("deploy", "serve"):
             return cmd_deploy(ns.args, ns.command, ns.name, ns.cron, ns.on_overlap, ns.evaluate,
                               getattr(ns, "work_pool", None))

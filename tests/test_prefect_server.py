@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -25,8 +26,8 @@ print("DONE", flush=True)
 """
 
 
-def start_holder(home, release, tmp_path, name):
-    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+def start_holder(home, release, tmp_path, name, **variables):
+    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", **variables)
     env.pop("PREFECT_API_URL", None)
     out = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen([sys.executable, "-c", HOLD, str(release)], env=env, stdout=out,
@@ -105,42 +106,92 @@ def test_the_ui_is_told_the_served_api_not_the_default_port(tmp_path):
         assert a.wait(60) == 0
 
 
-SERVE = "from chatlearn.runtime.records.prefect_server import serve_forever; serve_forever()"
+AUTH = "chatlearn:pinned-7f3a9c"  # the test's basic-auth user:password; its password must be printed nowhere
 
 
 @pytest.mark.integration
-def test_serve_forever_keeps_the_server_for_runs_and_stops_it_on_sigterm(tmp_path):
+def test_chatlearn_server_with_authentication_serves_runs_refuses_strangers_and_stops_on_sigterm(tmp_path):
+    """`chatlearn server` with PREFECT_SERVER_API_AUTH_STRING: a client without the credentials (or with others)
+    is refused, Prefect's own client with them is served; a run with them joins it and leaves it up, one without
+    them is told what to set; the secret is printed and written nowhere; SIGTERM stops it."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from chatlearn.runtime.records.prefect_server import authorized
+
     home = tmp_path / "home"
-    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_API_AUTH_STRING=AUTH)
     env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_API_AUTH_STRING", None)
     log = tmp_path / "serve.log"
-    serve = subprocess.Popen([sys.executable, "-c", SERVE], env=env, stdout=open(log, "w"),
+    serve = subprocess.Popen([sys.executable, "-m", "chatlearn.cli", "server"], env=env, stdout=open(log, "w"),
                              stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
-        while "export PREFECT_API_URL=" not in log.read_text():
+        while "serving until Ctrl-C" not in log.read_text():
             assert serve.poll() is None and time.time() < deadline, log.read_text()
             time.sleep(0.2)
         text = log.read_text()
         url = text.split("export PREFECT_API_URL=")[1].split()[0]
         assert f"Prefect UI (started local server): {url.removesuffix('/api')}" in text
-        assert healthy(url)
+        assert "API authentication: on" in text
+        assert healthy(url)  # the health check needs no credentials (Prefect's, for probes)
         server_pid = json.loads((home / "server.json").read_text())["pid"]
 
-        # a run joins the served server and leaves it up when it ends
-        b = start_holder(home, tmp_path / "release-b", tmp_path, "b")
+        # strangers are refused, at the HTTP level and through Prefect's client; the credentials are served
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url + "/admin/version", timeout=10)
+        assert refused.value.code == 401
+        assert not authorized(url, None) and not authorized(url, "chatlearn:guess") and authorized(url, AUTH)
+        with SyncPrefectClient(url) as client, pytest.raises(PrefectHTTPStatusError, match="401"):
+            client.read_flows()
+        with SyncPrefectClient(url, auth_string=AUTH) as client:
+            assert client.read_flows() == []
+
+        # a run with the credentials joins the served server and leaves it up when it ends
+        b = start_holder(home, tmp_path / "release-b", tmp_path, "b", PREFECT_API_AUTH_STRING=AUTH)
         assert wait_for_url(tmp_path / "b.log") == url
         (tmp_path / "release-b").touch()
         assert b.wait(60) == 0
+        assert healthy(url) and _alive(server_pid)
+        # one without them is told what to set, and the server stays as it is
+        c = start_holder(home, tmp_path / "release-c", tmp_path, "c")
+        assert c.wait(60) != 0
+        assert (f"the local Prefect server {url} requires authentication, and this process sends none: set "
+                "PREFECT_API_AUTH_STRING") in (tmp_path / "c.log").read_text()
         assert healthy(url) and _alive(server_pid)
 
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(30) == 0
         assert stopped(server_pid)
         assert not healthy(url)
+        secret = AUTH.split(":")[1]
+        for written in (log, tmp_path / "b.log", tmp_path / "c.log", home / "server.json", home / "server.log"):
+            assert secret not in written.read_text(), written
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_chatlearn_server_refuses_an_api_open_to_other_machines(tmp_path, monkeypatch, capsys):
+    """--host other than 127.0.0.1 needs authentication; a malformed auth string is refused unseen; nothing
+    starts."""
+    from prefect.settings import PREFECT_SERVER_API_AUTH_STRING, temporary_settings
+
+    from chatlearn.cli import main
+
+    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(tmp_path))
+    with temporary_settings({PREFECT_SERVER_API_AUTH_STRING: None}):
+        assert main(["server", "--host", "0.0.0.0", "--port", "4200"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "chatlearn: error: --host 0.0.0.0 would open the Prefect API to every machine that reaches this one, "
+        "without authentication: set PREFECT_SERVER_API_AUTH_STRING=user:password")
+    with temporary_settings({PREFECT_SERVER_API_AUTH_STRING: "no-colon-secret"}):
+        assert main(["server"]) == 2
+    err = capsys.readouterr().err
+    assert "must be user:password" in err and "no-colon-secret" not in err
+    assert not (tmp_path / "server.json").exists()  # no server was started
 
 
 DIRECT = """

@@ -13,6 +13,7 @@ never stop it. "An API is configured" means Prefect's effective `PREFECT_API_URL
 `temporary_settings`, the pytest harness), so a configured server or Prefect Cloud is always used as is.
 """
 
+import base64
 import contextlib
 import fcntl
 import json
@@ -25,10 +26,13 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+from chatlearn.utils.errors import RunError
 
 
 def prefect_home() -> Path:
@@ -82,18 +86,72 @@ def _locked_state() -> Iterator[dict]:
         os.replace(tmp, path)
 
 
-def _start_server(timeout: float, port: int | None = None) -> tuple[int, str]:
+LOOPBACK = "127.0.0.1"
+WILDCARD = ("0.0.0.0", "::", "")  # every address of this machine: local clients use the loopback one
+
+
+def public_url(url: str, host: str) -> str:
+    """The API address for other machines (and the UI in their browsers): this machine's name for a server on
+    every address, else ``url``."""
+    return url.replace(f"//{LOOPBACK}:", f"//{socket.getfqdn()}:", 1) if host in WILDCARD else url
+
+
+def client_auth() -> str | None:
+    """The basic-auth ``user:password`` this process's Prefect clients send (Prefect's PREFECT_API_AUTH_STRING)."""
+    return os.environ.get("PREFECT_API_AUTH_STRING") or PREFECT_API_AUTH_STRING.value() or None
+
+
+def authorized(url: str, auth: str | None, timeout: float = 5.0) -> bool:
+    """Whether the API at ``url`` answers a request sent with ``auth`` (None: no credentials)."""
+    request = urllib.request.Request(url.rstrip("/") + "/admin/version")
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status == 200
+    except Exception:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How `chatlearn server` asks the local server to listen: host, port (None: a free one) and the basic-auth
+    ``user:password`` (Prefect's PREFECT_SERVER_API_AUTH_STRING; handed to the server's environment, never
+    printed or written down)."""
+
+    host: str = LOOPBACK
+    port: int | None = None
+    auth: str | None = field(default=None, repr=False)
+
+    def served_by(self, state: dict[str, Any]) -> bool:
+        """Whether the recorded server listens and authenticates as asked."""
+        url = state.get("url", "")
+        return (state.get("host", LOOPBACK) == self.host
+                and (self.port is None or url.endswith(f":{self.port}/api"))
+                and bool(state.get("auth")) == bool(self.auth)
+                and (not self.auth or authorized(url, self.auth)))
+
+    def terms(self) -> str:
+        return f"host {self.host}, port {self.port or 'any'}, {'with' if self.auth else 'without'} authentication"
+
+
+def _start_server(timeout: float, port: int | None = None, host: str = LOOPBACK,
+                  auth: str | None = None) -> tuple[int, str]:
     home = prefect_home()
     port = port or _free_port()
-    url = f"http://127.0.0.1:{port}/api"
+    url = f"http://{LOOPBACK if host in WILDCARD else host}:{port}/api"
     # The UI asks `GET /ui-settings` where the API is; unset, the server answers Prefect's default port 4200
     # whatever `--port` says, and the page shows "Can't connect to Server API". Both names: old and new.
+    ui_api = public_url(url, host)
     env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_UI_API_URL=url, PREFECT_UI_API_URL=url)
+               PREFECT_SERVER_UI_API_URL=ui_api, PREFECT_UI_API_URL=ui_api)
     env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_SERVER_API_AUTH_STRING", None)  # basic auth exactly when asked for (ServerSettings.auth)
+    if auth:
+        env["PREFECT_SERVER_API_AUTH_STRING"] = auth
     log = open(home / "server.log", "ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     deadline = time.monotonic() + timeout
@@ -127,21 +185,37 @@ def configured_api_url() -> str | None:
     return os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value() or None
 
 
-def _join_local_server(timeout: float) -> tuple[str, str]:
-    """Register this process as a user of the shared local server, starting it if none is healthy.
+def _join_local_server(timeout: float, server: "ServerSettings | None" = None) -> tuple[str, str]:
+    """Register this process as a user of the shared local server, starting it if none is healthy: as
+    `server` says (`chatlearn server`), else any will do (a run), on 127.0.0.1 without authentication when it
+    starts one. A server that requires authentication needs this process's credentials (RunError otherwise).
 
     Returns (api url, "started" | "reusing").
     """
     me = os.getpid()
     with _locked_state() as state:
         users = [p for p in state.get("users", []) if _alive(p) and p != me]
-        if not (_alive(state.get("pid")) and healthy(state.get("url", ""))):
+        running = _alive(state.get("pid")) and healthy(state.get("url", ""))
+        if running and server is not None and not server.served_by(state):
+            if users:
+                raise RunError(f"the local Prefect server {state['url']} (pid {state['pid']}) serves {len(users)} "
+                               f"run(s) on other terms than asked ({server.terms()}); stop them first")
+            running = False  # nobody uses it: started again as asked
+        if not running:
             if _alive(state.get("pid")):
                 _stop(state["pid"])
-            state["pid"], state["url"] = _start_server(timeout)
+            wanted = server or ServerSettings()
+            state["pid"], state["url"] = _start_server(timeout, wanted.port, wanted.host, wanted.auth)
+            state.update(host=wanted.host, auth=bool(wanted.auth))
             started = "started"
         else:
             started = "reusing"
+        credentials = server.auth if server is not None else client_auth()
+        if state.get("auth") and not authorized(state["url"], credentials):
+            raise RunError(f"the local Prefect server {state['url']} requires authentication, and this process "
+                           f"{'sends other credentials' if credentials else 'sends none'}: set "
+                           "PREFECT_API_AUTH_STRING to the user:password it was started with "
+                           "(PREFECT_SERVER_API_AUTH_STRING of `chatlearn server`)")
         state["users"] = users + [me]
         return state["url"], started
 
@@ -166,7 +240,12 @@ def restart_local_server(url: str, timeout: float = 90.0) -> bool:
             _stop(pid)
         state.pop("unhealthy_since", None)
         port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
-        state["pid"], _ = _start_server(timeout, port)
+        # as it was: its host, and its authentication (this process's credentials are the server's: they
+        # worked); never open without them
+        auth = client_auth() if state.get("auth") else None
+        if state.get("auth") and not auth:
+            return False
+        state["pid"], _ = _start_server(timeout, port, state.get("host", LOOPBACK), auth)
         return True
 
 
@@ -212,7 +291,8 @@ def local_prefect_api(timeout: float = 90.0, announce: Callable[[str], Any] = pr
         _leave_local_server()
 
 
-def serve_forever(announce: Callable[[str], Any] = print, timeout: float = 90.0) -> None:
+def serve_forever(announce: Callable[[str], Any] = print, timeout: float = 90.0,
+                  server: ServerSettings | None = None) -> None:
     """Keep the shared local server up until SIGINT/SIGTERM (`chatlearn server`).
 
     Starts or joins the server as `local_prefect_api` does, but always the local one (an API set in this
@@ -220,21 +300,27 @@ def serve_forever(announce: Callable[[str], Any] = print, timeout: float = 90.0)
     commands and workers. This process counts as a user, so runs join the server and leave it up; on a
     signal it leaves like a run does, stopping the server if no run uses it. A server process that dies meanwhile
     is started again on the same port and database (see `CHATLEARN_PREFECT_HOME/server.log` for why it died).
+    `server`: the host, port and authentication asked for (default: 127.0.0.1, a free port, none); a server
+    running on other terms is started again as asked when no run uses it (RunError when one does).
     """
+    server = server or ServerSettings()
     other = configured_api_url()
     stop = threading.Event()  # handlers first: a signal while the server starts still leaves cleanly
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        url, started = _join_local_server(timeout)
+        url, started = _join_local_server(timeout, server)
     except BaseException:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         raise
     try:
-        announce(f"Prefect UI ({started} local server): {url.removesuffix('/api')}")
+        announce(f"Prefect UI ({started} local server): {public_url(url, server.host).removesuffix('/api')}")
         if other and other != url:
             announce(f"note: PREFECT_API_URL is set to {other} here; runs started with it use that API")
-        announce(f"export PREFECT_API_URL={url}")
+        announce(f"export PREFECT_API_URL={public_url(url, server.host)}")
+        if server.auth:  # the secret itself is never printed
+            announce("API authentication: on (PREFECT_SERVER_API_AUTH_STRING); clients need "
+                     "export PREFECT_API_AUTH_STRING=<the same user:password>")
         announce("serving until Ctrl-C (runs started meanwhile use this server and leave it up)")
         sys.stdout.flush()  # `print` into a pipe or file would hold the lines back until we exit
         while not stop.wait(1.0):
