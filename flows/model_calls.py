@@ -18,7 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from chatlearn.data.batch import merge_batches
-from chatlearn.runtime.calls.handles import RefBox, RunHandle
+from chatlearn.runtime.calls.handles import Call, RefBox, RunHandle
 from chatlearn.runtime.calls.turns import Turns
 from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.compute_flow import ComputeFlow, FlowNode
@@ -38,11 +38,13 @@ class Batches:
     train: dict[str, Any] | None = None  # a trainer flow's: what each train call gets besides the samples
 
 
-def _step_batch(fn: Any, *inputs: Any) -> Any:
-    return fn(merge_batches(*inputs))
+def _step_batch(fn: Any, *inputs: Any) -> tuple[bool, Any]:
+    """A step on one batch, its result a return value of its own as a model call's (`Worker.run_batch`): owned by
+    the driver, not fetched by it, and kept when this task's worker exits."""
+    return True, fn(merge_batches(*inputs))
 
 
-_STEP = ray.remote(max_retries=0)(_step_batch)
+_STEP = ray.remote(max_retries=0, num_returns=2)(_step_batch)
 
 
 def _send(run: RunHandle, flow: ComputeFlow, index: int, upstream: list[RefBox], batches: Batches,
@@ -54,7 +56,8 @@ def _send(run: RunHandle, flow: ComputeFlow, index: int, upstream: list[RefBox],
     if node.model is None:  # a step: a Ray task per batch, on the merged inputs
         step = run.steps[node.name]
         remote = _STEP.options(num_cpus=step.num_cpus)
-        return [remote.remote(step.fn, *batch_refs(upstream, i)) for i in range(batches.count)]
+        sent = [remote.remote(step.fn, *batch_refs(upstream, i)) for i in range(batches.count)]
+        return [Call(node.name, [done], batch=out) for done, out in sent]
     heads = run.heads(node.model)
     if node.method == "train_step":  # a trainer: one call, on the episode's samples
         return [heads[0].train.remote(upstream[0].refs[0], **(batches.train or {}))]
@@ -75,8 +78,8 @@ def _send(run: RunHandle, flow: ComputeFlow, index: int, upstream: list[RefBox],
 @task(name="model-call", task_run_name="{node.name}", cache_policy=NO_CACHE)
 def model_call(run: RunHandle, flow: ComputeFlow, node: FlowNode, index: int, upstream: list[RefBox],
                batches: Batches, stage: str) -> RefBox:
-    """One call of a compute flow over the stage's batches; its result per batch (rank 0's, a ref owned by the
-    model's process)."""
+    """One call of a compute flow over the stage's batches; its result per batch: the batch's ref (rank 0's,
+    owned by the driver, left where it was made), or the call's value (a trainer's metrics)."""
     turns, clock = Turns.of(stage)
     try:
         rules = None
@@ -88,7 +91,9 @@ def model_call(run: RunHandle, flow: ComputeFlow, node: FlowNode, index: int, up
         calls = _send(run, flow, index, upstream, batches, rules)
     finally:
         turns.release(index)
-    return RefBox(clock.get(calls, node.name), node=index)
+    values = clock.get(calls, node.name)  # every rank's done (or result): errors and deadlines seen here
+    return RefBox([c.batch if isinstance(c, Call) and c.batch is not None else v
+                   for c, v in zip(calls, values, strict=True)], node=index)
 
 
 def batch_refs(upstream: list[RefBox], i: int) -> list[Any]:

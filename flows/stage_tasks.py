@@ -116,10 +116,7 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
     batches = Batches(len(rollouts.refs), rollouts.meta["first_iteration"],
                       episode_start=rollouts.meta.get("first_sample_id"))
     done = run_calls(run, flow, list(range(1, len(flow.nodes))), {0: RefBox(rollouts.refs)}, batches, clock)
-    outputs = [done[i].refs for i in flow.outputs()]
-    if flow.outputs() == [0]:  # offline DPO: the producer's output is the experience, held one hop away
-        return RefBox(clock.get(run.stream().hold.remote(*outputs[0]), "the stream dataset"),
-                      seconds=clock.seconds())
+    outputs = [done[i].refs for i in flow.outputs()]  # the producer's own for offline DPO: nothing to score
     # several returned calls: the stream dataset merges them per batch
     return RefBox([list(parts) for parts in zip(*outputs, strict=True)] if len(outputs) > 1 else outputs[0],
                   seconds=clock.seconds(), merged=len(outputs) > 1)
@@ -132,8 +129,8 @@ def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int
     train on them, each a task run, at once."""
     clock = StageClock("train", episode, run.stage_timeout_s)
     parts = experience.refs if experience.meta.get("merged") else [[r] for r in experience.refs]
-    samples_ref, metrics = clock.get(run.stream().episode_samples.remote(parts, episode=episode),
-                                     "the stream dataset")
+    stats, samples_ref = run.stream().episode_samples.remote(parts, episode=episode)  # the driver owns the samples
+    metrics = clock.get(stats, "the stream dataset")
     flow = run.plan.trainer
     batches = Batches(1, start_iteration, train={"episode": episode, "start_iteration": start_iteration,
                                                  "group_size": run.group_size})

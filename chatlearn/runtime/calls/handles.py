@@ -6,8 +6,19 @@ tasks read) and each task looks its actors up by name; no task carries the whole
 `RefBox` carries ObjectRefs between tasks without a task runner resolving them (RayTaskRunner `ray.get`s every
 bare ObjectRef it finds in task parameters, which would drag rollouts through every task process; the episode's
 thread-pool runner would not, but a boxed ref reads the same under both).
+
+Who owns an episode's batches: the driver (the flow process), whatever the engine. Ray makes the caller the owner
+of a call's return values, so a call whose result is a batch (`BATCH_METHODS`, a flow step, the StreamDataset's
+samples) returns it as a return value of its own, beside a small ``done`` value the stage waits on (two returns):
+the batch stays in the object store where it was made and the driver never fetches it, only the next calls
+do. An object dies with its owner: a batch the model process put itself died with that process, and a ref that
+crossed workers which then exited could be freed while still in use (ray-project/ray#18456, seen once in CI).
+Owned by the driver, which holds its ref until the episode ends and makes every call that reads it, a batch
+outlives the process that made it and never crosses a worker on its way (tests/test_engine_runs.py).
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -16,6 +27,29 @@ from pydantic import BaseModel, Field
 from chatlearn.models.rule import RuleSpec
 from chatlearn.runtime.plan import EpisodePlan
 from chatlearn.runtime.weights.sync import SyncRoute
+
+# The driver's own handles of the actors `launch` created, by (namespace, name). Looking an actor up by name asks
+# the GCS, and a lookup waiting when the GCS goes away never returns (chatlearn.runtime.cluster.head); elsewhere
+# (a Ray task given a RunHandle) actors are looked up by name.
+_OWN: dict[tuple[str, str], Any] = {}
+
+
+@contextlib.contextmanager
+def own_actors(namespace: str, actors: dict[str, Any]) -> Iterator[None]:
+    """Within: the driver finds these actors (name -> handle) by their handles, without asking the GCS."""
+    keys = [(namespace, name) for name in actors]
+    _OWN.update(zip(keys, actors.values(), strict=True))
+    try:
+        yield
+    finally:
+        for key in keys:
+            _OWN.pop(key, None)
+
+
+def get_actor(name: str, namespace: str) -> Any:
+    """The actor ``name``: the driver's own handle when it has one, else Ray's lookup by name."""
+    own = _OWN.get((namespace, name))
+    return own if own is not None else ray.get_actor(name, namespace=namespace)
 
 
 class RunHandle(BaseModel):
@@ -51,11 +85,11 @@ class RunHandle(BaseModel):
 
     def actor(self, process: str) -> Any:
         """A worker process of the run, by name."""
-        return ray.get_actor(process, namespace=self.namespace)
+        return get_actor(process, self.namespace)
 
     def stream(self) -> Any:
         """The run's StreamDataset actor."""
-        return ray.get_actor(self.stream_actor, namespace=self.namespace)
+        return get_actor(self.stream_actor, self.namespace)
 
     def heads(self, model: str) -> list["ReplicaHandle"]:
         """Every replica of `model`, called as one (all its ranks get each call; rank 0's result is returned)."""
@@ -66,7 +100,7 @@ class RunHandle(BaseModel):
         return [self._handle(model, n) for rep in self.actors[model] for n in rep]
 
     def _handle(self, model: str, process: str) -> "ModelHandle":
-        return ModelHandle(ray.get_actor(process, namespace=self.namespace), model, process)
+        return ModelHandle(get_actor(process, self.namespace), model, process)
 
 
 class ModelHandle:
@@ -89,23 +123,30 @@ class ModelHandle:
         return f"ModelHandle({self.model} in {self.process})"
 
 
+# Model methods whose result is a batch of the episode: returned as an object of its own, owned by the caller
+# (`Worker.run_batch`), never fetched by the stage that waits for it
+BATCH_METHODS = frozenset({"generate", "forward"})
+
+
 class Call:
-    """One call of one model replica: the ObjectRef of every rank (a replica of several processes runs each
-    call on all its ranks together). ``ref`` is rank 0's, the replica's result; a stage waits on all of them
-    (`StageClock.get`), so a rank that failed or hangs is seen within the stage's deadline. Passed as an
-    argument of another replica call, a Call stands for its result (``ref``)."""
+    """One call of one model replica (or of a flow step): the ObjectRef of every rank (a replica of several
+    processes runs each call on all its ranks together), which a stage waits on (`StageClock.get`), so a rank
+    that failed or hangs is seen within the stage's deadline. For a call that makes a batch these are the ranks'
+    small ``done`` values and ``batch`` is rank 0's batch, owned by the caller and left where it was made;
+    otherwise ``refs[0]`` is the result. Passed as an argument of another replica call, a Call stands for its
+    result (``ref``)."""
 
-    __slots__ = ("model", "refs")
+    __slots__ = ("batch", "model", "refs")
 
-    def __init__(self, model: str, refs: list[Any]):
-        self.model, self.refs = model, refs
+    def __init__(self, model: str, refs: list[Any], batch: Any = None):
+        self.model, self.refs, self.batch = model, refs, batch
 
     @property
     def ref(self) -> Any:
-        return self.refs[0]
+        return self.batch if self.batch is not None else self.refs[0]
 
     def __repr__(self) -> str:
-        return f"Call({self.model}, {len(self.refs)} ranks)"
+        return f"Call({self.model}, {len(self.refs)} ranks{', a batch' if self.batch is not None else ''})"
 
 
 def _ref_of(value: Any) -> Any:
@@ -137,7 +178,10 @@ class _ReplicaMethod:
     def remote(self, *args: Any, **kwargs: Any) -> Call:
         args = tuple(_ref_of(a) for a in args)
         kwargs = {k: _ref_of(v) for k, v in kwargs.items()}
-        return Call(self.ranks[0].model, [getattr(r, self.method).remote(*args, **kwargs) for r in self.ranks])
+        sent = [getattr(r, self.method).remote(*args, **kwargs) for r in self.ranks]
+        if self.method in BATCH_METHODS:  # every rank's (done, batch); rank 0's batch is the replica's
+            return Call(self.ranks[0].model, [done for done, _ in sent], batch=sent[0][1])
+        return Call(self.ranks[0].model, sent)
 
 
 class _ModelMethod:
@@ -145,6 +189,9 @@ class _ModelMethod:
         self.actor, self.model, self.method = actor, model, method
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """The call's ObjectRef; for a batch method (`BATCH_METHODS`) two: ``done`` and the batch."""
+        if self.method in BATCH_METHODS:
+            return self.actor.run_batch.remote(self.model, self.method, *args, **kwargs)
         return self.actor.run.remote(self.model, self.method, *args, **kwargs)
 
 

@@ -1,11 +1,11 @@
 """The host of one rank of one model inside a worker process (the Ray actor is the `Worker`, which may host
 several colocated models), and the data-plane rules it follows.
 
-Outputs stay in the object store and are owned by the actor that made them (`ray.put` inside the actor), so
-they outlive the short-lived Prefect task processes that dispatch work; only the small ObjectRef travels
-back. Inputs may arrive as values (Ray resolves top-level refs) or as refs nested one level (the refs that
-earlier calls returned), and several inputs for the same samples are merged into one dict, as ChatLearn
-merges the outputs of a node's parents.
+A batch it makes (`generate`, `forward`) is returned as is: the worker returns it as an object of its own
+that the driver owns (`Worker.run_batch`), so it outlives this process and stays where it was made until a
+later call reads it. Inputs may arrive as values (Ray resolves top-level refs) or as refs nested one level
+(the refs that earlier calls returned), and several inputs for the same samples are merged into one dict, as
+ChatLearn merges the outputs of a node's parents.
 """
 
 import os
@@ -79,7 +79,7 @@ class ModelHost:
 
     def generate(self, indices: list[int], iteration: int, is_eval: bool = False,
                  sample_ids: list[int] | None = None, group_size: int = 1,
-                 flow_method: str = "forward_step") -> ray.ObjectRef:
+                 flow_method: str = "forward_step") -> Any:
         """Collate dataset items `indices` and run the flow's method on them (`run_method`).
 
         `sample_ids` (the samples' positions in the response stream) go into dict batches as `sample_id`, so a
@@ -92,7 +92,7 @@ class ModelHost:
             batch["sample_id"] = list(sample_ids if sample_ids is not None else indices)
             if group_size > 1:
                 batch["group_id"] = [sid // group_size for sid in batch["sample_id"]]
-        return self._own(self.run_method(flow_method, batch, iteration, is_eval))
+        return self.run_method(flow_method, batch, iteration, is_eval)
 
     def run_method(self, method: str, data: Any, iteration: int, is_eval: bool) -> Any:
         """The module method a compute flow calls: ``forward_step(data, iteration)`` (in an evaluator flow,
@@ -105,18 +105,11 @@ class ModelHost:
 
     # -- inference on upstream outputs ----------------------------------------------------------------------
     def forward(self, *inputs: Any, iteration: int = 0, is_eval: bool = False, keep_inputs: bool = False,
-                flow_method: str = "forward_step"):
+                flow_method: str = "forward_step") -> Any:
         """Run the flow's method on the merged inputs; with `keep_inputs` the output carries them."""
         data = merge_batches(*[fetch(x, self.runtime_args.stage_timeout_s) for x in inputs])
         out = self.run_method(flow_method, data, iteration, is_eval)
-        if keep_inputs:
-            out = merge_batches(data, out)
-        return self._own(out)
-
-    def _own(self, out: Any) -> ray.ObjectRef | None:
-        """Put a batch result in the object store, owned by this actor; the other ranks of a multi-process
-        replica computed the same result with rank 0 (or helped it), so only rank 0's is kept."""
-        return ray.put(out) if self.module.rank == 0 else None
+        return merge_batches(data, out) if keep_inputs else out
 
     # -- training -------------------------------------------------------------------------------------------
     @resident("weights", "optimizer")

@@ -1,7 +1,8 @@
 """The run's StreamDataset actor: turns an episode's experience into the trainers' sample list.
 
 As in ChatLearn, one actor per run sits between the environment and the trainers. It merges the experience
-batches into per-sample dicts and hands every trainer the same list by ObjectRef: in stream mode the
+batches into per-sample dicts and hands every trainer the same list by ObjectRef (a return value the driver
+owns, as every batch of an episode: `chatlearn.runtime.calls.handles`): in stream mode the
 episode's samples cut by `stream_data_loader_type` (`fixed`: exactly `sample_per_episode`; `dynamic`: all
 that were produced); with relay on (`max_relay_episode`, from `relay_episode_offset`) the relay hook's output,
 the relay buffer having taken *every* sample the episode produced, whatever the loader type (ChatLearn's
@@ -46,26 +47,18 @@ class StreamDataset:
         self.relay = RelayBuffer(runtime_args.max_relay_episode, runtime_args.relay_episode_offset,
                                  load_hook(hook) if hook else None)
 
-    def episode_samples(self, batches: list[list[Any]], episode: int) -> tuple[ray.ObjectRef, dict[str, Any]]:
-        """The episode's training samples (a ref owned by this actor) and the episode's experience stats;
-        ``batches`` holds each batch's parts (the outputs of the environment flow's returned calls, merged)."""
+    @ray.method(num_returns=2)
+    def episode_samples(self, batches: list[list[Any]], episode: int) -> tuple[dict[str, Any], packed]:
+        """The episode's experience stats and its training samples, as two return values: the caller (the
+        driver) waits for the stats and owns the samples, which only the trainers fetch. ``batches`` holds each
+        batch's parts (the outputs of the environment flow's returned calls, merged)."""
         timeout = self.rt.stage_timeout_s
         produced = [s for parts in batches for s in split_batch(merge_batches(*[fetch(p, timeout) for p in parts]))]
         own, samples = episode_training_samples(produced, episode, self.relay, self.rt.stream_data_loader_type,
                                                 self.rt.sample_per_episode)
         stats = experience_stats(own)
         stats.update(num_samples=len(samples), relay_episodes=len(self.relay.episodes))
-        return ray.put(packed(samples)), stats  # tensors as arrays: each trainer's get is cheap
-
-    def hold(self, *batches: Any) -> list[ray.ObjectRef]:
-        """Fresh refs, owned by this actor, to the given batches (refs or values).
-
-        The score stage of an engine with nothing to score (offline DPO) hands the producer's batches on as
-        the experience. Those refs would then have crossed two task boundaries since the actor that made them
-        returned them, and Ray lost track of such a ref once (the object was freed while still needed); an
-        object put here has the same life as every other stage's output: made by a live actor, one hop away.
-        """
-        return [ray.put(fetch(b, self.rt.stage_timeout_s)) for b in batches]
+        return stats, packed(samples)  # tensors as arrays: each trainer's get is cheap
 
     def save_relay(self, directory: str) -> str | None:
         if not self.relay.enabled:

@@ -133,6 +133,15 @@ class Worker:
                 f"of {method} failed: a peer process died or did not answer within {DIST_TIMEOUT.total_seconds():.0f}"
                 f"s (CHATLEARN_DIST_TIMEOUT): {str(exc).strip().splitlines()[0][:300]}") from exc
 
+    @ray.method(num_returns=2)
+    def run_batch(self, name: str, method: str, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        """`run` for a call whose result is a batch (`calls.handles.BATCH_METHODS`): ``(True, batch)`` as two
+        return values, so the batch is an object of its own that the caller (the driver) owns and waits for
+        through ``done`` without fetching it; it outlives this process (`calls.handles`). The other ranks of a
+        multi-process replica computed the same batch with rank 0 (or helped it): only rank 0's is kept."""
+        out = self.run(name, method, *args, **kwargs)
+        return True, out if self.slots[name].module.rank == 0 else None
+
     # -- parameter sync (chatlearn.runtime.weights.sync) --------------------------------------------------------------
     def sync_specs(self, name: str, role: str) -> list[tuple[str, list[int], str]]:
         """(name, global shape, dtype) of what model ``name`` sends (``src``) or receives (``dst``) in a sync."""
