@@ -200,3 +200,162 @@ def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_ap
         ray.get(pending.ref, timeout=3)
     ray.cancel(pending.ref, force=True)
 
+
+
+# -- who owns an episode's batches (issue 24, item 5) ---------------------------------------------------------
+
+def owner_of(ref) -> str:
+    """The worker id (hex) of the process that owns ``ref``: when it dies, the object is gone."""
+    from ray.core.generated.common_pb2 import Address
+
+    address = Address()
+    address.ParseFromString(ref.owner_address())
+    return address.worker_id.hex()
+
+
+def sigkill_and_wait(pid: int) -> None:
+    """SIGKILL ``pid`` and wait until it is gone (reaped by its parent, the raylet)."""
+    import time
+
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # dead, not reaped yet
+                    break
+        except OSError:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)  # the raylet has seen the socket close: no new task is leased to it
+
+
+def test_a_batch_is_the_drivers_and_outlives_the_process_that_made_it(ray_session):
+    """A model call's batch and the StreamDataset's samples are return values the driver owns, not objects the
+    worker put itself (which died with it): each is read after the process that made it is SIGKILLed. Larger
+    than Ray inlines (100 KB), so they sit in the object store, made by the killed process."""
+    import ray
+
+    from chatlearn.config import ModelConfig, RuntimeConfig
+    from chatlearn.models.hf.reward import RuleReward
+    from chatlearn.runtime.calls.handles import ModelHandle, ReplicaHandle
+    from chatlearn.runtime.calls.waiting import StageClock
+    from chatlearn.runtime.cluster.stream_dataset import StreamDataset
+    from chatlearn.runtime.cluster.worker import Worker
+
+    driver = ray.get_runtime_context().get_worker_id()
+    rt = RuntimeConfig(sample_per_episode=2)
+    cfg = ModelConfig(args_dict={"reward_fn": "chatlearn.tasks.max_digit:max_digit_reward"})
+    worker = ray.remote(Worker).options(num_cpus=0, max_restarts=0).remote([("reward", RuleReward("reward"), cfg,
+                                                                               0, 0)], rt, 0, {})
+    stream = ray.remote(StreamDataset).options(num_cpus=0, max_restarts=0).remote(rt)
+    try:
+        pid = ray.get(worker.run.remote("reward", "setup"), timeout=120)["pid"]
+        pad = torch.arange(2 * 200 * 200, dtype=torch.float32).view(2, 200, 200)  # 320 KB, a block per sample
+        batch = {"sample_id": [0, 1], "prompt": ["max 1 2 ?", "max 7 3 ?"], "response": ["2", "1"],
+                 "answer": ["2", "7"], "pad": pad}
+        clock = StageClock("score", 0, 120)
+        call = ReplicaHandle([ModelHandle(worker, "reward", "w")]).forward.remote(batch, keep_inputs=True,
+                                                                                   flow_method="score_step")
+        assert clock.get(call) is True  # the stage waits on `done`; the batch stays where it was made
+        assert owner_of(call.batch) == driver
+        stats, samples = stream.episode_samples.remote([[call.batch]], episode=0)
+        assert clock.get(stats)["num_samples"] == 2 and owner_of(samples) == driver
+
+        sigkill_and_wait(pid)
+        stream_pid = ray.get(stream.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+        sigkill_and_wait(stream_pid)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.ping.remote(), timeout=30)
+        out = ray.get(call.batch, timeout=30)
+        assert out["rewards/reward"].tolist() == [1.0, pytest.approx(0.5 * (1 - 6 / 9))]
+        assert torch.equal(out["pad"], pad)
+        assert [(s["sample_id"], torch.equal(s["pad"], pad[i])) for i, s in enumerate(ray.get(samples, timeout=30))] \
+            == [(0, True), (1, True)]
+    finally:
+        for actor in (worker, stream):
+            ray.kill(actor, no_restart=True)
+
+
+def idle_task_workers() -> list[int]:
+    """Pids of the session Ray's idle task workers (its raylet's children that Ray titles ``ray::IDLE``): the
+    processes that ran an episode's steps and rule-reward tasks, once those returned."""
+    import ray
+
+    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read()
+        except OSError:
+            continue
+        if ppid == raylet and title.startswith(b"ray::IDLE"):
+            pids.append(int(entry))
+    return pids
+
+
+def test_killing_the_workers_that_made_an_episodes_batches_leaves_the_run_undisturbed(
+        prefect_api, ray_session, tiny_model_dir, tmp_path, monkeypatch):
+    """examples/custom_engine.yaml: its filter step runs as Ray tasks and its two rule rewards as Prefect tasks on
+    Ray. Every batch the stages hand on (each ref in a RefBox) is the driver's; once the score stage has handed
+    its batches on, every Ray task worker that made or read them is SIGKILLed, and the run trains on them and
+    ends as the undisturbed run does: the same rows, the same final weights, bit for bit."""
+    import ray
+
+    from chatlearn.runtime.calls.handles import RefBox, RunHandle
+    from flows import train_flow
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("CHATLEARN_OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
+    # the session's Ray has no runtime_env with the config's folder: the example's step travels by value
+    monkeypatch.syspath_prepend(os.path.join(REPO, "examples"))
+    import custom_engine
+
+    ray.cloudpickle.register_pickle_by_value(custom_engine)
+    driver = ray.get_runtime_context().get_worker_id()
+    owners, killed, disturb = [], [], [False]
+    box, stream = RefBox.__init__, RunHandle.stream
+
+    # patched on classes, which Ray pickles by reference (a stage task's globals travel by value with the Prefect
+    # context of every rule-reward task, and this module is no module a worker can import)
+    def recording_box(self, refs, **meta):
+        box(self, refs, **meta)
+        owners.extend(owner_of(r) for part in refs for r in (part if isinstance(part, list) else [part])
+                      if isinstance(r, ray.ObjectRef))
+
+    def stream_after_killing(self):  # the train stage asks for it first, once score handed its batches on
+        if disturb[0]:
+            for pid in idle_task_workers():
+                sigkill_and_wait(pid)
+                killed.append(pid)
+        return stream(self)
+
+    monkeypatch.setattr(RefBox, "__init__", recording_box)
+    monkeypatch.setattr(RunHandle, "stream", stream_after_killing)
+    args = ["runtime.num_episode=2", "runtime.sample_per_episode=32", "runtime.generation_batch_size=16",
+            "runtime.train_micro_batch_size=16", "runtime.train_global_batch_size=32",
+            "runtime.eval_episode_interval=0", "runtime.enable_eval_before_training=false"]
+    try:
+        for kill, exp in ((False, "undisturbed"), (True, "killed")):
+            disturb[0] = kill
+            train_flow(config_path="examples/custom_engine.yaml", overrides=[*args, f"runtime.exp_name={exp}"])
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(custom_engine)
+    assert owners and set(owners) == {driver}
+    assert len(killed) >= 2  # the step's worker and the rule rewards', each episode
+
+    timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths")
+
+    def rows(exp):
+        return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
+
+    assert rows("killed") == rows("undisturbed") and [r["episode"] for r in rows("killed")] == [0, 1]
+    expected = load_file(str(tmp_path / "undisturbed" / "final" / "policy" / "model.safetensors"))
+    weights = load_file(str(tmp_path / "killed" / "final" / "policy" / "model.safetensors"))
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
