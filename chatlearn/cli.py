@@ -31,7 +31,7 @@ from chatlearn.config import ChatLearnConfig, ConfigError, ConfigWarning, Engine
 from chatlearn.config.engine_checks import engine_name
 from chatlearn.config.engines import ENGINES
 from chatlearn.data.prompts import DataError
-from chatlearn.runtime.calls.stopping import stop_signal, stopping
+from chatlearn.runtime.calls.stopping import stop_on_signals, stop_signal, stopping
 from chatlearn.runtime.cluster.dlc import DLCNode, dlc_head, dlc_node, serve_as_worker
 from chatlearn.runtime.cluster.placement import PlacementError, plan_placement, uniform_cluster
 from chatlearn.runtime.records.console import run_log
@@ -94,7 +94,6 @@ def _announce(msg: str) -> None:
 
 def cmd_eval(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
-    from chatlearn.runtime.calls.stopping import stop_on_signals
     from chatlearn.runtime.cluster.launch import check_local_placement
     from chatlearn.runtime.engine import engine_of, resolve_engine
     from chatlearn.runtime.prepared import prepare_run
@@ -106,8 +105,7 @@ def cmd_eval(items: list[str]) -> int:
     # model paths, data, prompt lengths: errors before the Prefect server or Ray start
     prepared = prepare_run(cfg, resolved=resolved)
     # eval writes run_dir/eval.json: one command per run directory, as for train (RunError naming the holder)
-    with stop_on_signals(), lock_run_dir(cfg.runtime.run_dir), run_log(cfg.runtime.run_dir), \
-            local_prefect_api(announce=_announce):
+    with lock_run_dir(cfg.runtime.run_dir), run_log(cfg.runtime.run_dir), local_prefect_api(announce=_announce):
         metrics = engine_of(prepared.engine).eval(prepared)
     print(json.dumps(metrics, indent=1, default=str))
     return 0
@@ -116,7 +114,6 @@ def cmd_eval(items: list[str]) -> int:
 def cmd_train(items: list[str]) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
     from chatlearn.checkpoint.resume import checkpoint_dirs
-    from chatlearn.runtime.calls.stopping import stop_on_signals
     from chatlearn.runtime.cluster.launch import check_local_placement
     from chatlearn.runtime.engine import engine_of, resolve_engine
     from chatlearn.runtime.prepared import prepare_run
@@ -143,9 +140,8 @@ def cmd_train(items: list[str]) -> int:
     # one run per run directory, taken before the Prefect server starts (the train flow re-enters it in this
     # process); the run and checkpoint directories are checked writable here too
     # run_log: the run's log file; a RunError's tracebacks go there, not to the terminal
-    # stop_on_signals: SIGTERM / Ctrl-C stop within seconds and leave the Prefect server (runtime.calls.stopping)
-    with stop_on_signals(), lock_run_dir(cfg.runtime.run_dir, checkpoint_dirs(cfg)), run_log(cfg.runtime.run_dir), \
-            _dlc_head(node), local_prefect_api(announce=_announce):
+    with lock_run_dir(cfg.runtime.run_dir, checkpoint_dirs(cfg)), run_log(cfg.runtime.run_dir), _dlc_head(node), \
+            local_prefect_api(announce=_announce):
         result = engine_of(prepared.engine).learn(prepared)
     print(f"run directory: {cfg.runtime.run_dir}", file=sys.stderr)
     if result.get("final_policy"):
@@ -348,7 +344,10 @@ def _main(argv: list[str] | None) -> int:
                               getattr(ns, "work_pool", None))
         if ns.command == "train" and ns.resume_with_changes:
             ns.args = [*ns.args, "runtime.resume_with_changes=true"]
-        return {"train": cmd_train, "eval": cmd_eval}[ns.command](ns.args)
+        # SIGTERM / Ctrl-C stop within seconds from here on, start-up included, with one line, leaving nothing of
+        # the run running (the Prefect server it started, Ray, the model processes: chatlearn.runtime.calls.stopping)
+        with stop_on_signals():
+            return {"train": cmd_train, "eval": cmd_eval}[ns.command](ns.args)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (chatlearn.runtime.calls.stopping.Stopped)
         return _stopped(getattr(exc, "signame", "SIGINT"))
     except Exception as exc:

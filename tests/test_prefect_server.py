@@ -267,3 +267,41 @@ def test_inside_a_flow_run_a_direct_call_changes_nothing(monkeypatch):
     assert in_flow_run()
     with _api_for_direct_call() as url:
         assert url is None
+
+
+def test_a_stop_while_the_server_starts_takes_the_server_down(tmp_path, monkeypatch):
+    """SIGTERM while `chatlearn train` waits for the Prefect server it started (here a stand-in that never gets
+    healthy): the stop goes on (Stopped), and the server process, in a session of its own, does not outlive it."""
+    import chatlearn.runtime.records.prefect_server as prefect_server
+    from chatlearn.runtime.calls.stopping import Stopped, stop_on_signals
+
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen] = []
+
+    def server_stand_in(cmd, **kwargs):
+        assert cmd[1:5] == ["-m", "prefect", "server", "start"], cmd
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(120)"], **kwargs))
+        return started[-1]
+
+    checks = []
+
+    def unhealthy(url, timeout=2.0):
+        checks.append(url)
+        if len(checks) == 2:  # the server is starting: the command is stopped
+            os.kill(os.getpid(), signal.SIGTERM)
+        return False
+
+    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(tmp_path))
+    monkeypatch.setattr(prefect_server, "configured_api_url", lambda: None)
+    monkeypatch.setattr(prefect_server, "healthy", unhealthy)
+    monkeypatch.setattr(subprocess, "Popen", server_stand_in)
+    with stop_on_signals(), pytest.raises(Stopped):
+        with prefect_server.local_prefect_api(announce=pytest.fail):
+            pytest.fail("the API was yielded")
+    monkeypatch.undo()
+    try:
+        assert len(started) == 1 and stopped(started[0].pid), "the server outlived the stop"
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait(5)

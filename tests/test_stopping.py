@@ -1,7 +1,9 @@
 """No hang: a stage stuck past `runtime.stage_timeout_s` is one error line naming the episode, the stage and
-the model. (SIGTERM is tests/test_local_run.py.)"""
+the model; SIGTERM while Ray starts is the same stop as at any other time. (SIGTERM of a real run, mid-run and
+during its start-up, is tests/test_local_run.py.)"""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -10,8 +12,6 @@ import time
 import pytest
 
 from tests.conftest import REPO
-
-pytestmark = pytest.mark.integration
 
 SMALL = ["runtime.sample_per_episode=32", "runtime.generation_batch_size=16", "runtime.train_micro_batch_size=8",
          "runtime.train_global_batch_size=16", "runtime.enable_eval_before_training=false"]
@@ -29,6 +29,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.integration
 def test_a_stuck_stage_is_an_error_naming_the_episode_stage_and_model(tiny_model_dir, tmp_path, prefect_api):
     from prefect.settings import PREFECT_API_URL
 
@@ -54,6 +55,7 @@ def test_a_stuck_stage_is_an_error_naming_the_episode_stage_and_model(tiny_model
     assert time.monotonic() - t0 < 280  # not the hook's 600 s
 
 
+@pytest.mark.integration
 def test_the_stage_clock_names_the_models_that_did_not_answer(ray_session):
     import ray
 
@@ -83,3 +85,20 @@ def test_the_stage_clock_names_the_models_that_did_not_answer(ray_session):
         StageClock("generate", 0, timeout_s=1.0).get([Call("policy", [answer.remote(0), answer.remote(60)])])
     with pytest.raises(ValueError, match="rank 1 broke"):
         StageClock("generate", 0, timeout_s=30.0).get(Call("policy", [answer.remote(0), fail.remote()]))
+
+
+def test_sigterm_while_ray_starts_is_the_same_stop():
+    """`ray.init` installs a SIGTERM handler of its own while it starts Ray (``sys.exit(signum)``: exit status 15,
+    no line, and `launch` never learns it should take down what Ray started); `keep_handlers` turns that exit
+    into the run's stop and puts the run's handler back."""
+    from chatlearn.runtime.calls import stopping
+
+    with stopping.stop_on_signals():
+        ours = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(stopping.Stopped) as stop, stopping.keep_handlers():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init installs
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert stop.value.signame == "SIGTERM"
+        assert stopping.stopping() and stopping.stop_signal() == "SIGTERM"
+        assert signal.getsignal(signal.SIGTERM) is ours

@@ -11,7 +11,9 @@ and raise `Stopped` (a KeyboardInterrupt) in the main thread. `launch` tears the
 Prefect server is left (and stopped when this was its last user), and the CLI prints one line naming the
 checkpoint a re-run resumes from. Checkpoints are written to a temporary name and renamed, so a stop in the
 middle of one leaves the previous checkpoint the resume point. `ray.init` installs its own handler again:
-`keep_handlers()` puts ours back around it.
+`keep_handlers()` puts ours back around it. The CLI installs them before anything starts, so a stop during
+start-up (the Prefect server or Ray starting, the model processes being created) reads the same and leaves
+nothing running either: each starter tears down what it started when a stop interrupts it.
 
 While a flow runs, Prefect replaces the SIGTERM handler with its own (it raises TerminationSignal to mark the
 flow run Crashed, then re-sends the signal to ours), and the episode subflow's thread pool waits for its stage
@@ -114,11 +116,19 @@ def stop_on_signals() -> Iterator[None]:
 
 @contextlib.contextmanager
 def keep_handlers() -> Iterator[None]:
-    """Around `ray.init`: put back the Python handlers it replaces with Ray's (which aborts the process)."""
+    """Around `ray.init`: put back the Python handlers it replaces with Ray's (which aborts the process).
+
+    While `ray.init` runs, SIGTERM meets the handler it installs first, ``sys.exit(signum)``: that SystemExit
+    is the stop it is (`Stopped`), so a run stopped while Ray starts ends as one stopped at any other time."""
     main = threading.current_thread() is threading.main_thread()
     before = {sig: signal.getsignal(sig) for sig in _SIGNALS} if main else {}
     try:
         yield
+    except SystemExit as exc:
+        if not main or exc.code != signal.SIGTERM:
+            raise
+        _fire("SIGTERM")
+        raise Stopped("SIGTERM") from None
     finally:
         for sig, handler in before.items():
             if callable(handler) or handler in (signal.SIG_IGN, signal.SIG_DFL):

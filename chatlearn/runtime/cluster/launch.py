@@ -97,8 +97,12 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     cpus = max(os.cpu_count() or 1, int(need + 0.999) + 4)
     # address="local": a new local Ray even when a `ray start` cluster (or its leftover address file) is on
     # this machine; joining one is what RAY_ADDRESS is for
-    with loopback_only(), keep_handlers():
-        ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
+    try:
+        with loopback_only(), keep_handlers():
+            ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
+    except BaseException:  # a stop (SIGTERM) or a failure halfway: what it started of the local Ray goes too
+        ray.shutdown()
+        raise
     return True
 
 

@@ -155,13 +155,17 @@ def _start_server(timeout: float, port: int | None = None, host: str = LOOPBACK,
         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}; see {home / 'server.log'}")
-        if healthy(url, timeout=1.0):
-            return proc.pid, url
-        time.sleep(0.3)
-    proc.kill()
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited with {proc.returncode}; see {home / 'server.log'}")
+            if healthy(url, timeout=1.0):
+                return proc.pid, url
+            time.sleep(0.3)
+    except BaseException:  # a stop (SIGTERM, Ctrl-C) while it starts: the server, in its own session, goes too
+        _stop(proc.pid)
+        raise
+    _stop(proc.pid)
     raise RuntimeError(f"prefect server did not become healthy in {timeout:.0f}s; see {home / 'server.log'}")
 
 
