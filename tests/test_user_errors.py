@@ -220,6 +220,36 @@ def test_run_log_keeps_a_run_errors_tracebacks_off_the_terminal(tmp_path):
     assert "chatlearn - the run stopped: episode 0, score: reward hook m:f raised ValueError: boom" in log
 
 
+def test_run_log_keeps_a_lost_processs_tracebacks_off_the_terminal(tmp_path):
+    """What Prefect logs while a model process killed mid-episode fails the episode (Ray's ActorDiedError, raised
+    in a stage task or wrapped by a later one, and the runs' "Finished in state" lines) goes to the log file
+    only: the train flow says it in one warning line as it recovers (the real kill: tests/test_resume.py)."""
+    from ray.exceptions import ActorDiedError
+
+    terminal = io.StringIO()
+    console = logging.StreamHandler(terminal)
+    root = logging.getLogger()
+    root.addHandler(console)
+    prefect_log = logging.getLogger("prefect.chatlearn_test")
+    try:
+        with run_log(tmp_path / "run"):
+            for exc in (ActorDiedError(), RuntimeError("episode 3, score: a stage failed")):
+                if isinstance(exc, RuntimeError):  # a later layer's error, raised from the death
+                    exc.__cause__ = ActorDiedError()
+                try:
+                    raise exc
+                except Exception:
+                    prefect_log.error("Task run failed with exception: %r", exc, exc_info=True)
+            prefect_log.error("Finished in state Failed('Task run encountered an exception ActorDiedError: ...')")
+            prefect_log.error("Finished in state NotReady('Upstream task run did not reach a COMPLETED state')")
+            logging.getLogger("chatlearn").warning("model process 0-worker died during episode 3; recreating ...")
+    finally:
+        root.removeHandler(console)
+    assert terminal.getvalue() == "model process 0-worker died during episode 3; recreating ...\n"
+    log = (tmp_path / "run" / LOG_NAME).read_text()
+    assert log.count("Traceback") == 2 and log.count("ActorDiedError") >= 3 and "NotReady" in log
+
+
 # -- a real run, in process ----------------------------------------------------------------------------------
 
 @pytest.mark.integration

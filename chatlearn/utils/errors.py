@@ -33,7 +33,8 @@ class RunError(UserError, RuntimeError):
         return (type(self), (self.message,))
 
 
-def find_user_error(exc: BaseException | None, kind: type[UserError] = UserError) -> UserError | None:
+def find_error(exc: BaseException | None,
+               kind: type[BaseException] | tuple[type[BaseException], ...]) -> BaseException | None:
     """The ``kind`` of error inside ``exc``: itself, one a Ray ``RayTaskError`` wraps (``.cause``), or one in its
     ``__cause__`` / ``__context__`` chain; None when there is none."""
     seen: set[int] = set()
@@ -43,13 +44,19 @@ def find_user_error(exc: BaseException | None, kind: type[UserError] = UserError
         # remote traceback
         cause = getattr(exc, "cause", None)
         if isinstance(cause, BaseException):
-            found = find_user_error(cause, kind)
+            found = find_error(cause, kind)
             if found is not None:
                 return found
         if isinstance(exc, kind):
             return exc
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def find_user_error(exc: BaseException | None, kind: type[UserError] = UserError) -> UserError | None:
+    """The ``kind`` of user error inside ``exc`` (see `find_error`); None when there is none."""
+    found = find_error(exc, kind)
+    return found if isinstance(found, UserError) else None
 
 
 def find_run_error(exc: BaseException | None) -> RunError | None:

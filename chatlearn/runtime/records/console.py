@@ -1,27 +1,32 @@
 """The terminal of `chatlearn train` / `eval`: a failure that is a user error (`chatlearn.utils.errors`: a config,
 data, a placement, a `RunError`) reads as its line there, and its traceback goes to the run's log file,
-`run_dir/chatlearn.log`.
+`run_dir/chatlearn.log`. So does a lost model process: the train flow recovers from it with one warning line
+(`chatlearn.runtime.calls.recovery`), or ends with one error line once it gave up.
 
 Prefect logs a failed task run and each flow run it fails (the episode subflow, the train flow) with the whole
 traceback, through the console handler it puts on the root logger: one reward hook that raised would print
 three tracebacks, and three "Finished in state Failed(...)" lines, before the CLI's own
-``chatlearn: error: <message>``. While `run_log` is active, every log record of the process also goes to the
-log file, and a filter on the console handlers drops the records of a user error's failure: those that carry it
-(``exc_info``) and, after one did, Prefect's "Finished in state Failed / NotReady" lines. Everything else (progress,
-warnings, the traceback of any other exception, which is a bug of ours and must show) reaches the terminal as
-before. A filter rather than a Prefect logging config of our own (PREFECT_LOGGING_SETTINGS_PATH): the user's
-Prefect logging settings keep working, and nothing changes outside the CLI's train and eval.
+``chatlearn: error: <message>``; a model process killed mid-episode, 15-40 lines of Ray's ``ActorDiedError``
+before the recovery's warning. While `run_log` is active, every log record of the process also goes to the
+log file, and a filter on the console handlers drops the records of such a failure: those that carry it
+(``exc_info``: a user error, or Ray's word that an actor, a worker or a node died) and, after one did, Prefect's
+"Finished in state Failed / NotReady" lines. Everything else (progress, warnings, the traceback of any other
+exception, which is a bug of ours and must show) reaches the terminal as before. (A lost process that the run
+does not recover from, e.g. in `chatlearn eval`, still ends with its traceback on the terminal, from the CLI.)
+A filter rather than a Prefect logging config of our own (PREFECT_LOGGING_SETTINGS_PATH): the user's Prefect
+logging settings keep working, and nothing changes outside the CLI's train and eval.
 """
 
 import contextlib
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from chatlearn.runtime.calls.stopping import stopping
-from chatlearn.utils.errors import find_user_error
+from chatlearn.utils.errors import find_error, find_user_error
 
 LOG_NAME = "chatlearn.log"
 LOG_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
@@ -29,13 +34,23 @@ LOG_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
 logger = logging.getLogger("chatlearn")
 
 
-class UserErrorConsoleFilter(logging.Filter):
-    """Drops, on a console handler, what Prefect logs about a failure that holds a user error (the CLI prints
-    that as one line; the log file keeps the records)."""
+def process_died(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or holds, Ray's word that an actor, a worker process or a node died (or the objects
+    one owned were lost with it): how a lost model process fails the calls that were waiting on it."""
+    rex = sys.modules.get("ray.exceptions")  # never imported here: an exception of Ray's means Ray is loaded
+    if rex is None:
+        return False
+    return find_error(exc, (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError,
+                            rex.ObjectLostError)) is not None
+
+
+class FailureConsoleFilter(logging.Filter):
+    """Drops, on a console handler, what Prefect logs about a failure the CLI or the train flow reports in one
+    line (a user error, a lost model process); the log file keeps the records."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.user_error_seen = False
+        self.failure_seen = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -43,12 +58,12 @@ class UserErrorConsoleFilter(logging.Filter):
             prefect = record.name.startswith("prefect")
             return exc is None and not (prefect and (record.levelno >= logging.ERROR
                                                      or record.getMessage().startswith("Finished in state")))
-        if exc is not None and find_user_error(exc) is not None:
-            self.user_error_seen = True
+        if exc is not None and (find_user_error(exc) is not None or process_died(exc)):
+            self.failure_seen = True
             return False
         # Prefect's summary of each failed run (Failed) and of the tasks that then never ran (NotReady) come after
         # the traceback record, in the same thread
-        if self.user_error_seen and record.name.startswith("prefect"):
+        if self.failure_seen and record.name.startswith("prefect"):
             message = record.getMessage()
             return not (message.startswith("Finished in state") and not message.startswith("Finished in state Comp"))
         return True
@@ -76,9 +91,9 @@ def _console_handlers(root: logging.Logger) -> list[logging.Handler]:
 @contextlib.contextmanager
 def run_log(run_dir: str | os.PathLike) -> Iterator[Path]:
     """While the block runs: every log record also goes to ``run_dir/chatlearn.log`` (yielded), and the console
-    drops what Prefect logs about a user error's failure. An exception holding a user error that leaves the block is
-    logged there with its whole traceback (chain included: the user's hook, the Ray task, the stage) before it
-    goes on to the CLI, which prints its one line."""
+    drops what Prefect logs about a user error's failure or a lost model process. An exception holding a user
+    error that leaves the block is logged there with its whole traceback (chain included: the user's hook, the
+    Ray task, the stage) before it goes on to the CLI, which prints its one line."""
     # lazy: Prefect loads only for the commands that run something. Its logging is set up first: set up after
     # our file handler is on the root logger, Prefect would take that for the user's and add no console handler
     from prefect.logging.configuration import ensure_logging_setup
@@ -86,7 +101,7 @@ def run_log(run_dir: str | os.PathLike) -> Iterator[Path]:
     ensure_logging_setup()
     root = logging.getLogger()
     handler = _open_log(run_dir)
-    console_filter = UserErrorConsoleFilter()
+    console_filter = FailureConsoleFilter()
     consoles = _console_handlers(root)
     root.addHandler(handler)
     for console in consoles:
