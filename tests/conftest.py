@@ -20,19 +20,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULT_VARIABLES = ("CHATLEARN_CRASH_AT", "CHATLEARN_FAULT_AT", "CHATLEARN_KILL_AT")
 
 
-def chatlearn_train(args, out, tiny_model_dir, timeout: float = 600, cwd: str | None = None, **variables):
+def chatlearn_train(args, out, tiny_model_dir, timeout: float = 600, cwd: str | None = None, api_url: str | None = "",
+                    **variables):
     """A real `chatlearn train ARGS` process writing under ``out``, on the session's Prefect API (use with the
     ``prefect_api`` fixture), with the fault-injection variables (chatlearn/utils/faults.py,
     chatlearn/runtime/calls/recovery.py) cleared unless given in ``variables``. From the repository root, or with
     ``cwd`` the installed console script run there, as a user runs it (``python -m`` would put ``cwd`` on
-    ``sys.path`` and hide whether user code resolves without it)."""
+    ``sys.path`` and hide whether user code resolves without it). ``api_url``: another Prefect API, or None for
+    none (the command starts or joins the local server of ``CHATLEARN_PREFECT_HOME``)."""
     import subprocess
     import sys
 
     from prefect.settings import PREFECT_API_URL
 
     env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
-               PREFECT_API_URL=PREFECT_API_URL.value())
+               PREFECT_API_URL=PREFECT_API_URL.value() if api_url == "" else api_url or "")
+    if api_url is None:
+        env.pop("PREFECT_API_URL")
     for name in FAULT_VARIABLES:
         env.pop(name, None)
     env.update({k: v for k, v in variables.items() if v is not None})

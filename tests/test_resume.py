@@ -11,16 +11,22 @@ grouped-query attention, as Qwen2.5-0.5B): the tied weight trains, is checkpoint
 come back tied for the resumed run to match (issue 21). The default's Llama resumes by the same code.
 """
 
+import contextlib
 import json
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL, temporary_settings
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from chatlearn.runtime.records import prefect_server
 from tests.conftest import chatlearn_train
 
 pytestmark = pytest.mark.integration
@@ -41,12 +47,12 @@ def model_dirs(tiny_model_dir, tiny_qwen2_dir):
     return tiny_model_dir, tiny_qwen2_dir
 
 
-def train(out, exp, model_dirs, crash=None, kill=None, extra=()):
+def train(out, exp, model_dirs, crash=None, kill=None, extra=(), api_url="", **variables):
     # crash: SIGKILL the driver at a point; kill: SIGKILL a model's worker process (chatlearn.runtime.calls.recovery)
     tiny_model_dir, tiny_qwen2_dir = model_dirs
-    return chatlearn_train([*ARGS, *extra, f"runtime.exp_name={exp}"], out, tiny_model_dir,
+    return chatlearn_train([*ARGS, *extra, f"runtime.exp_name={exp}"], out, tiny_model_dir, api_url=api_url,
                            CHATLEARN_TINY_QWEN2_DIR=tiny_qwen2_dir, CHATLEARN_CRASH_AT=crash,
-                           CHATLEARN_KILL_AT=kill)
+                           CHATLEARN_KILL_AT=kill, **variables)
 
 
 def comparable_rows(run_dir):
@@ -112,3 +118,81 @@ def test_a_model_process_killed_mid_episode_is_recreated_and_the_run_ends_as_und
     assert_same_as_reference(tmp_path / "killed", reference_run)
 
     # bounded restarts: tests/test_recovery.py
+
+
+def _kill_server_after_episodes(run_dir, episodes, server_pid):
+    """A thread that SIGKILLs the Prefect server (its process group) once ``episodes`` rows are in the run's
+    metrics: the server dies while the next episode runs. Returns (thread, killed pids)."""
+    killed = []
+
+    def kill():
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= episodes:
+                pid = server_pid()
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread, killed
+
+
+def _no_traceback(stderr):
+    return "Traceback" not in stderr and "ConnectError" not in stderr and "Error logging to API" not in stderr
+
+
+def test_the_local_prefect_server_killed_mid_run_is_started_again_and_the_run_ends_as_undisturbed(
+        reference_run, model_dirs, tmp_path, monkeypatch):
+    # no PREFECT_API_URL: the command uses the local server of CHATLEARN_PREFECT_HOME. This test joins it first
+    # (as `chatlearn server` would), so that it is still up after the run to read the run back from it.
+    home = tmp_path / "prefect-home"
+    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(home))
+    url, _ = prefect_server._join_local_server(timeout=120)
+    try:
+        pid_of = lambda: json.loads((home / "server.json").read_text())["pid"]  # noqa: E731
+        killer, killed = _kill_server_after_episodes(tmp_path / "server-killed", 2, pid_of)
+        res = train(tmp_path, "server-killed", model_dirs, api_url=None, CHATLEARN_PREFECT_HOME=str(home))
+        killer.join(timeout=5)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert killed, "the server was never killed"
+        assert res.stderr.count(f"the Prefect API at {url} does not answer") == 1, res.stderr[-3000:]
+        assert f"the Prefect API at {url} answers again" in res.stderr
+        assert _no_traceback(res.stderr), res.stderr[-3000:]
+        assert_same_as_reference(tmp_path / "server-killed", reference_run)
+        # started again on the same port and database: the UI shows the run, finished, with all its episodes
+        assert pid_of() != killed[0] and prefect_server.healthy(url)
+        with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+            train_run = [r for r in client.read_flow_runs() if r.name != "" and r.parent_task_run_id is None
+                         and r.state.name == "Completed"]
+            assert len(train_run) == 1, [(r.name, r.state.name) for r in client.read_flow_runs()]
+            table = client.read_latest_artifacts()
+            rows = [a for a in table if a.key == "server-killed-metrics"]
+            assert len(json.loads(rows[0].data)) == 4  # the metrics table caught up
+    finally:
+        prefect_server._leave_local_server()
+
+
+def test_a_prefect_api_that_stays_down_does_not_stop_the_run_nor_hold_it_at_exit(reference_run, model_dirs, tmp_path,
+                                                                                  monkeypatch):
+    # a configured API (a cluster's server) killed during episode 3 and never back: the run finishes on its own,
+    # with the undisturbed run's weights, says so in one line, and exits (Prefect's queues drained in bounded time)
+    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(tmp_path / "other-server"))
+    (tmp_path / "other-server").mkdir()
+    pid, url = prefect_server._start_server(timeout=120)
+    killer, killed = _kill_server_after_episodes(tmp_path / "api-gone", 2, lambda: pid)
+    try:
+        # a call in flight when the server dies retries 2 + 4 s instead of Prefect's default 2 + 4 + ... + 32 s
+        res = train(tmp_path, "api-gone", model_dirs, api_url=url, PREFECT_CLIENT_MAX_RETRIES="2")
+    finally:
+        killer.join(timeout=5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    assert killed and res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count(f"the Prefect API at {url} ") == 2, res.stderr[-3000:]  # gone, and still gone at the end
+    assert "training goes on without it" in res.stderr and "still does not answer" in res.stderr
+    assert _no_traceback(res.stderr), res.stderr[-3000:]
+    assert_same_as_reference(tmp_path / "api-gone", reference_run)

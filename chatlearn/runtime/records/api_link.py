@@ -30,6 +30,9 @@ import functools
 import logging
 import sys
 import threading
+import time
+import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,13 +41,23 @@ import httpx
 from prefect.context import FlowRunContext
 from prefect.events.worker import EventsWorker
 from prefect.exceptions import PrefectHTTPStatusError
+from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.logging.handlers import APILogWorker
-
-from chatlearn.runtime.records.prefect_server import healthy
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.collections import visit_collection
 
 _POLL_S = 1.0
 _HEALTH_TIMEOUT_S = 5.0
 _DRAIN_S = 10.0
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    """Whether the Prefect API at ``url`` answers its health check."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except Exception:
+        return False
 
 
 def unreachable(exc: BaseException) -> bool:
@@ -192,9 +205,9 @@ def watch(url: str | None, restart: Callable[[], bool] | None = None) -> Iterato
         yield link
     finally:
         _current = None
-        link.stop()
-        if not link.up:
+        if not link.up:  # before stop(): the log worker's failures stay off the terminal meanwhile
             drain_prefect(timeout=_DRAIN_S)
+        link.stop()
 
 
 @dataclass
@@ -272,9 +285,30 @@ def call_flow(flow: Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
 
 
 def _inline(flow: Any, parent: FlowRunContext, args: tuple, kwargs: dict) -> Any:
-    """The flow's body in the parent flow run, with a task runner of its own (the flow's)."""
-    with flow.task_runner.duplicate() as runner, parent.model_copy(update={"task_runner": runner}):
+    """The flow's body in the parent flow run, its tasks' functions run by `_PlainTaskRunner`."""
+    workers = getattr(flow.task_runner, "_max_workers", None) or 8
+    with _PlainTaskRunner(max_workers=workers) as runner, parent.model_copy(update={"task_runner": runner}):
         return flow.fn(*args, **kwargs)
+
+
+def _resolved(value: Any) -> Any:
+    return value.result() if isinstance(value, PrefectFuture) else value
+
+
+class _PlainTaskRunner(ThreadPoolTaskRunner):
+    """A task's function in a thread, with no task run: while the API is away there is nothing to record one
+    in, and Prefect's task engine would ask the API for the state of every future it is passed. The futures
+    behave as the thread pool's (`result`, `wait`; arguments that are futures are waited for first)."""
+
+    def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None,
+               dependencies: Any = None) -> PrefectConcurrentFuture:
+        def run() -> Any:
+            for future in wait_for or ():
+                future.wait()
+            return task.fn(**visit_collection(parameters, visit_fn=_resolved, return_data=True))
+
+        future = self._executor.submit(contextvars.copy_context().run, run)
+        return PrefectConcurrentFuture(task_run_id=uuid.uuid4(), wrapped_future=future)
 
 
 def _console_handlers() -> list[logging.Handler]:
@@ -285,19 +319,24 @@ def _console_handlers() -> list[logging.Handler]:
 
 
 def drain_prefect(timeout: float = _DRAIN_S) -> bool:
-    """Give Prefect's log and event queues ``timeout`` seconds to send what they hold; then drop the rest, so
-    that their exit handlers return at once. True when everything was sent."""
-    complete = True
-    for service in (APILogWorker, EventsWorker):
-        instances = list(service._instances.values())
+    """Give Prefect's log and event queues ``timeout`` seconds (together) to send what they hold; then drop the
+    rest, so that their exit handlers return at once. True when everything was sent."""
+    services = (APILogWorker, EventsWorker)
+    instances = [instance for service in services for instance in list(service._instances.values())]
+    for service in services:  # stops each instance and starts its drain; the wait is ours, below
         with contextlib.suppress(Exception):
-            _, pending = service.drain_all(timeout=timeout)
-            complete = complete and not pending
-        for instance in instances:
-            # the exit handler waits on this event (Prefect's QueueService.drain): set, it returns at once
-            done, loop = getattr(instance, "_done_event", None), getattr(instance, "_loop", None)
-            if done is not None and loop is not None and not done.is_set():
-                complete = False
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(done.set)
+            service.drain_all(timeout=0)
+    deadline = time.monotonic() + timeout
+    complete = True
+    for instance in instances:
+        # the exit handler waits on this event (Prefect's QueueService.drain): set, it returns at once
+        done, loop = getattr(instance, "_done_event", None), getattr(instance, "_loop", None)
+        if done is None or loop is None:
+            continue
+        while not done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not done.is_set():
+            complete = False
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(done.set)
     return complete

@@ -32,6 +32,8 @@ from typing import Any
 
 from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
+from chatlearn.runtime.records import api_link
+from chatlearn.runtime.records.api_link import healthy
 from chatlearn.utils.errors import RunError
 
 
@@ -53,14 +55,6 @@ def _alive(pid: int | None) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
-
-
-def healthy(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
-            return resp.status == 200
-    except Exception:
-        return False
 
 
 def _free_port() -> int:
@@ -225,7 +219,7 @@ def _join_local_server(timeout: float, server: "ServerSettings | None" = None) -
 
 
 # a server that is alive but has not answered for this long is taken for hung and started again
-_HUNG_S = 30.0
+_HUNG_S = 60.0
 
 
 def restart_local_server(url: str, timeout: float = 90.0) -> bool:
@@ -235,6 +229,7 @@ def restart_local_server(url: str, timeout: float = 90.0) -> bool:
     and artifacts of the runs go on where they were."""
     with _locked_state() as state:
         if state.get("url") != url or healthy(url):
+            state.pop("unhealthy_since", None)
             return healthy(url)
         pid = state.get("pid")
         if _alive(pid):
@@ -278,8 +273,6 @@ def local_prefect_api(timeout: float = 90.0, announce: Callable[[str], Any] = pr
             with temporary_settings({PREFECT_API_URL: existing}):
                 yield existing
         return
-    from chatlearn.runtime.records import api_link  # it imports this module
-
     url, started = _join_local_server(timeout)
     announce(f"Prefect UI ({started} local server): {url.removesuffix('/api')}")
     os.environ["PREFECT_API_URL"] = url
