@@ -6,12 +6,16 @@ Two runs of the real `chatlearn train` on the embedded default (PPO on the tiny 
 (`chatlearn server`, started here for the whole benchmark) and one tiny model directory:
 
     undisturbed   the command once, in a fresh output folder
-    disturbed     the same command in another one, under a supervisor that SIGKILLs, at seeded random moments,
-                  either the driver (the `chatlearn train` process itself: the supervisor then starts the same
+    disturbed     the same command in another one, under a supervisor that, at seeded random moments,
+                  SIGKILLs the driver (the `chatlearn train` process itself: the supervisor then starts the same
                   command again, which resumes from the last data checkpoint) or the model worker process whose
                   pid `run_dir/placement.json` names (the driver notices, recreates the model processes and
-                  resumes by itself: `runtime.max_restarts` is set high so that never runs out). It loops until
-                  the command exits 0.
+                  resumes by itself: `runtime.max_restarts` is set high so that never runs out), SIGKILLs the
+                  Prefect server (the run, and `chatlearn server`, start it again on the same database; the run
+                  goes on meanwhile), or stalls a stage: SIGSTOPs the model worker process for `--stall-seconds`,
+                  longer than the soak's `runtime.stage_timeout_s` (the run ends with the stage's timeout error
+                  or recovers the process it cannot reach, and the supervisor starts it again if it exited), then
+                  SIGCONTs it. It loops until the command exits 0.
 
 A kill's moment: when `metrics.jsonl` reaches a randomly chosen number of rows (spread over the run), plus a
 random delay (0 to `--max-delay` s, about one episode here, so kills land in generate, score, train, sync,
@@ -31,7 +35,8 @@ Prints a table and writes `bench/results/soak.json`. A benchmark, never run by C
 minutes undisturbed and 40 disturbed on a loaded 2-core machine (the wall times depend on its load far more than
 on the kills). The work folder (logs of every start, metrics, final weights) is kept; checkpoints are deleted.
 
-    .venv/bin/python bench/soak.py [--episodes 200] [--driver-kills 6] [--actor-kills 6] [--seed 0]
+    .venv/bin/python bench/soak.py [--episodes 200] [--driver-kills 6] [--actor-kills 6] [--server-kills 3]
+                                   [--stalls 2] [--seed 0]
 """
 
 import argparse
@@ -57,15 +62,18 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
+STAGE_TIMEOUT_S = 60.0  # the soak's runtime.stage_timeout_s: a stall fault stops the worker longer than this
 SOAK_CONFIG = [
     "runtime.sample_per_episode=32", "runtime.generation_batch_size=16", "runtime.train_micro_batch_size=8",
     "runtime.train_global_batch_size=16", "runtime.save_episode_interval=1", "runtime.eval_episode_interval=0",
     "runtime.enable_eval_before_training=false", "runtime.max_restarts=1000",
+    f"runtime.stage_timeout_s={STAGE_TIMEOUT_S:g}",
 ]
 EXP = "default"  # the embedded default's runtime.exp_name: run_dir = CHATLEARN_OUTPUT_DIR/default
 TIMING = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds")  # as tests/test_resume.py
 RECOVERY = "recreating the model processes"  # on a `chatlearn: warning:` line (Prefect's log repeats it)
 READY = "ready to train in "
+API_LINE = re.compile(r"chatlearn: (?:warning: )?the Prefect API at \S+ (does not answer|answers again|failed a call)")
 RESUMED = re.compile(r"resuming after episode (\d+) ")
 DIED = re.compile(r"died (?:during episode (\d+)|while starting)")
 EPISODE_LINE = re.compile(r"\[episode (\d+)/\d+\]")
@@ -94,13 +102,15 @@ class Attempt:
     stderr: Path
     ready: list[float] = field(default_factory=list)
     recoveries: list[tuple[float, str]] = field(default_factory=list)
+    api_lines: list[tuple[float, str]] = field(default_factory=list)  # the run's lines about the Prefect API
     resumes: list[tuple[float, int]] = field(default_factory=list)
     episodes_done: list[tuple[float, int]] = field(default_factory=list)
     episode_starts: list[tuple[float, int]] = field(default_factory=list)
     last_lines: deque = field(default_factory=lambda: deque(maxlen=40))
     stage: str = "startup"
     last_output: float = 0.0
-    killed_by_us: str | None = None  # "driver kill" / "stall"
+    killed_by_us: str | None = None  # "driver kill" / "stall" / "time limit"
+    stalled_by_us: bool = False  # a stall fault was delivered: a non-zero exit after it is ours
     returncode: int | None = None
     ended: float | None = None
     _offsets: dict[str, int] = field(default_factory=lambda: {"out": 0, "err": 0})
@@ -125,7 +135,8 @@ class Attempt:
     def _line(self, t: float, line: str) -> None:
         if line.lstrip().startswith("episodes:"):  # the progress bar, maybe with a log line after it
             m = PREFECT_LINE.search(line)
-            line = line[m.start():] if m else ""
+            ours = line.find("chatlearn: ")  # or with one of ours (a warning from another thread)
+            line = line[m.start():] if m else line[ours:] if ours >= 0 else ""
         if not line.strip():
             return
         self.last_lines.append(line)
@@ -134,6 +145,8 @@ class Attempt:
             self.stage = "between episodes"
         if RECOVERY in line and line.startswith("chatlearn: warning:"):
             self.recoveries.append((t, line))
+        if API_LINE.match(line):
+            self.api_lines.append((t, line))
         if m := RESUMED.match(line):
             self.resumes.append((t, int(m.group(1))))
         if m := EPISODE_LINE.search(line):  # stdout: its order against stderr's lines is not known
@@ -161,7 +174,7 @@ class Kill:
     """One planned kill: when (`rows` of metrics.jsonl, then `delay` s), of what, and what happened."""
 
     index: int
-    kind: str  # "driver" | "actor"
+    kind: str  # "driver" | "actor" | "server" | "stall"
     rows: int
     delay: float
     pick: float  # which worker pid, for an actor kill (a fraction of the sorted pid list)
@@ -199,11 +212,14 @@ class Supervisor:
     """Runs the command until it exits 0, delivering the planned kills; collects what happened."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], out: Path, logs: Path,
-                 kills: list[Kill], stall_timeout: float, max_failures: int, deadline: float | None) -> None:
+                 kills: list[Kill], stall_timeout: float, max_failures: int, deadline: float | None,
+                 stall_seconds: float = 0.0) -> None:
         self.name, self.cmd, self.env, self.out, self.logs = name, cmd, env, out, logs
         self.run_dir = out / EXP
         self.kills = kills
         self.stall_timeout, self.max_failures, self.deadline = stall_timeout, max_failures, deadline
+        self.stall_seconds = stall_seconds
+        self.stopped: list[tuple[float, int]] = []  # (when to SIGCONT, pid) of stall faults
         self.attempts: list[Attempt] = []
         self.failures: list[dict[str, Any]] = []
         self.stalls: list[dict[str, Any]] = []
@@ -240,6 +256,7 @@ class Supervisor:
                     attempt.scan()
                     self._orphans()
                     self._kills(attempt)
+                    self._resume_stopped()
                     self._stall(attempt)
                     if self.deadline is not None and now() > self.deadline:
                         self.say("time limit reached: stopping the run")
@@ -254,6 +271,9 @@ class Supervisor:
                 if attempt.returncode == 0:
                     self.outcome = "completed"
                     return
+                if attempt.stalled_by_us and not attempt.killed_by_us:
+                    attempt.killed_by_us = "stall fault"
+                self._resume_stopped(force=True)
                 if attempt.killed_by_us:
                     continue
                 self.failures.append({"attempt": attempt.index, "t": self.rel(attempt.ended),
@@ -290,7 +310,7 @@ class Supervisor:
             return
         rows = count_rows(self.run_dir)
         if pending.due is None:
-            if rows >= pending.rows and (pending.kind == "driver" or attempt.is_ready()):
+            if rows >= pending.rows and (pending.kind in ("driver", "server") or attempt.is_ready()):
                 pending.due = now() + pending.delay
             return
         if now() < pending.due:
@@ -305,6 +325,14 @@ class Supervisor:
             tree = self._kill_driver(attempt, "driver kill")
             rec["pid"] = attempt.proc.pid
             self.orphan_checks += [(t, t + after, pending, tree) for after in ORPHAN_CHECKS_S]
+        elif pending.kind == "server":
+            try:
+                rec["pid"] = json.loads((Path(self.env["CHATLEARN_PREFECT_HOME"]) / "server.json").read_text())["pid"]
+                os.killpg(rec["pid"], signal.SIGKILL)  # the server and its children
+            except (OSError, ValueError, KeyError) as exc:
+                self._later(pending, rec, f"no live Prefect server to kill for 120 s ({exc})")
+                return
+            rec["api_lines_before"] = len(attempt.api_lines)
         else:
             if not attempt.is_ready():  # a recovery of its own started meanwhile: wait for it
                 pending.due = None
@@ -318,20 +346,42 @@ class Supervisor:
             pid = pids[min(len(pids) - 1, int(pending.pick * len(pids)))]
             if pid not in {p for p, _, _ in tree_of(attempt.proc.pid)}:
                 # placement.json not rewritten yet: never kill a stranger (nor wait forever)
-                pending.due = now() + 1.0
-                pending.waited += 1
-                if pending.waited > 120:
-                    rec["skipped"] = f"pid {pid} of placement.json not in the driver's process tree for 120 s"
-                    pending.record = rec
+                self._later(pending, rec, f"pid {pid} of placement.json not in the driver's process tree for 120 s")
                 return
             rec["pid"] = pid
             rec["models"] = sorted(m for m, reps in ranks.items() for rep in reps for r in rep if r["pid"] == pid)
             rec["recoveries_before"] = len(attempt.recoveries)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                if pending.kind == "stall":
+                    os.kill(pid, signal.SIGSTOP)
+                    self.stopped.append((now() + self.stall_seconds, pid))
+                    attempt.stalled_by_us = True
+                else:
+                    os.kill(pid, signal.SIGKILL)
         pending.record = rec
-        self.say(f"kill {pending.index}: SIGKILL {pending.kind} pid {rec['pid']} at {rows} rows, "
+        what = f"SIGSTOP for {self.stall_seconds:.0f}s" if pending.kind == "stall" else "SIGKILL"
+        self.say(f"kill {pending.index}: {what} {pending.kind} pid {rec['pid']} at {rows} rows, "
                  f"stage {attempt.stage}")
+
+    @staticmethod
+    def _later(pending: Kill, rec: dict[str, Any], skipped: str) -> None:
+        """Try the kill again in a second; after 120 tries it is recorded as skipped, for ``skipped``."""
+        pending.due = now() + 1.0
+        pending.waited += 1
+        if pending.waited > 120:
+            rec["skipped"] = skipped
+            pending.record = rec
+
+    def _resume_stopped(self, force: bool = False) -> None:
+        """SIGCONT the workers a stall fault stopped, once their time is up (or now: their driver exited)."""
+        keep = []
+        for due, pid in self.stopped:
+            if now() < due and not force:
+                keep.append((due, pid))
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.stopped = keep
 
     def _stall(self, attempt: Attempt) -> None:
         if now() - attempt.last_output > self.stall_timeout:
@@ -376,7 +426,12 @@ class Supervisor:
                 continue
             rec, t_kill = k.record, self.started + k.record["t"]
             attempt = self.attempts[rec["attempt"]]
-            if k.kind == "driver":
+            if k.kind == "server":
+                after = [(t, line) for t, line in attempt.api_lines[rec["api_lines_before"]:] if t >= t_kill]
+                back = next((t for t, line in after if "answers again" in line), None)
+                rec["noticed"] = any("answers again" not in line for _, line in after)
+                rec["seconds_to_api_back"] = round(back - t_kill, 1) if back is not None else None
+            elif k.kind == "driver":
                 rec["returncode"] = attempt.returncode
                 # the first later start that got as far as its resume point (a start killed before it does not)
                 later = self.attempts[rec["attempt"] + 1:]
@@ -386,8 +441,16 @@ class Supervisor:
                     rec["resumed_in_attempt"] = resumed.index
                 ready = next((a for a in later if a.ready), None)
                 rec["seconds_to_ready"] = round(ready.ready[0] - t_kill, 1) if ready else None
-            else:
+            else:  # actor kill or stall: a recovery in the same attempt, or (stall) a restart of the command
                 rec["recovered"] = len(attempt.recoveries) > rec["recoveries_before"]
+                if k.kind == "stall" and not rec["recovered"]:
+                    later = self.attempts[rec["attempt"] + 1:]
+                    resumed = next((a for a in later if a.ready), None)
+                    rec["restarted"] = attempt.returncode not in (None, 0) and resumed is not None
+                    rec["returncode"] = attempt.returncode
+                    if resumed is not None:
+                        rec["resumed_after_episode"] = resumed.resumes[0][1] if resumed.resumes else 0
+                        rec["seconds_to_ready"] = round(resumed.ready[0] - t_kill, 1)
                 if rec["recovered"]:
                     t_rec, msg = attempt.recoveries[rec["recoveries_before"]]
                     m = DIED.search(msg)
@@ -410,7 +473,14 @@ class Supervisor:
             "driver_resumes": sum(1 for a in self.attempts[1:] if a.ready),
             "actor_kills": sum(1 for r in delivered if r["kind"] == "actor"),
             "recoveries_seen": len(recoveries),
-            "actor_kills_recovered": sum(1 for r in delivered if r.get("recovered")),
+            "actor_kills_recovered": sum(1 for r in delivered if r["kind"] == "actor" and r.get("recovered")),
+            "server_kills": sum(1 for r in delivered if r["kind"] == "server"),
+            "server_kills_noticed": sum(1 for r in delivered if r["kind"] == "server" and r.get("noticed")),
+            "server_kills_api_back": sum(1 for r in delivered if r["kind"] == "server"
+                                         and r.get("seconds_to_api_back") is not None),
+            "stalls_delivered": sum(1 for r in delivered if r["kind"] == "stall"),
+            "stalls_recovered_or_restarted": sum(1 for r in delivered if r["kind"] == "stall"
+                                                 and (r.get("recovered") or r.get("restarted"))),
             "kills_planned_not_delivered": [k.index for k in self.kills if not k.record or "skipped" in k.record],
             "kills_skipped": [k.record for k in self.kills if "skipped" in k.record],
             "failed_restarts": self.failures,
@@ -503,12 +573,13 @@ def compare(ref_dir: Path, soak_dir: Path) -> dict[str, Any]:
     return out
 
 
-def plan_kills(rng: random.Random, episodes: int, driver: int, actor: int, max_delay: float) -> list[Kill]:
-    n = driver + actor
+def plan_kills(rng: random.Random, episodes: int, driver: int, actor: int, max_delay: float, server: int = 0,
+               stall: int = 0) -> list[Kill]:
+    n = driver + actor + server + stall
     if n > episodes - 1:
         raise SystemExit(f"{n} kills need more than {episodes} episodes (at most one kill per episode boundary)")
     rows = sorted(rng.sample(range(1, episodes), n))
-    kinds = ["driver"] * driver + ["actor"] * actor
+    kinds = ["driver"] * driver + ["actor"] * actor + ["server"] * server + ["stall"] * stall
     rng.shuffle(kinds)
     return [Kill(i, kind, r, rng.uniform(0.0, max_delay), rng.random())
             for i, (kind, r) in enumerate(zip(kinds, rows, strict=True))]
@@ -527,6 +598,10 @@ def table(result: dict[str, Any]) -> str:
         ("model-process kills (SIGKILL)", d.get("actor_kills")),
         ("recoveries seen on stderr", d.get("recoveries_seen")),
         ("model-process kills recovered", d.get("actor_kills_recovered")),
+        ("Prefect server kills (SIGKILL)", d.get("server_kills")),
+        ("  noticed by the run / API back", f"{d.get('server_kills_noticed')} / {d.get('server_kills_api_back')}"),
+        ("stalled stages (SIGSTOP past the stage timeout)", d.get("stalls_delivered")),
+        ("  recovered or restarted", d.get("stalls_recovered_or_restarted")),
         ("kills planned, not delivered", len(d.get("kills_planned_not_delivered", []))),
         ("failed restarts (non-zero, not ours)", len(d.get("failed_restarts", []))),
         ("stalls", len(d.get("stalls", []))),
@@ -549,6 +624,12 @@ def table(result: dict[str, Any]) -> str:
         note = ""
         if k["kind"] == "actor":
             note = "recovered" if k.get("recovered") else "NO RECOVERY SEEN"
+        elif k["kind"] == "server":
+            note = (f"API back after {k['seconds_to_api_back']} s" if k.get("seconds_to_api_back") is not None
+                    else "API NOT BACK IN THIS ATTEMPT")
+        elif k["kind"] == "stall":
+            note = ("recovered in-run" if k.get("recovered") else
+                    f"exit {k.get('returncode')}, restarted" if k.get("restarted") else "NO RECOVERY SEEN")
         elif k.get("survivors_after_30s"):
             note = (f"{len(k['survivors_after_30s'])} process(es) alive after 30 s, "
                     f"{len(k.get('survivors_after_120s', []))} after 120 s")
@@ -563,6 +644,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--episodes", type=int, default=200, help="runtime.num_episode of both runs (default 200)")
     parser.add_argument("--driver-kills", type=int, default=6, help="SIGKILLs of the driver (default 6)")
     parser.add_argument("--actor-kills", type=int, default=6, help="SIGKILLs of the model worker process (default 6)")
+    parser.add_argument("--server-kills", type=int, default=3,
+                        help="SIGKILLs of the Prefect server (default 3)")
+    parser.add_argument("--stalls", type=int, default=2,
+                        help="stalled stages: the model worker SIGSTOPped past the stage timeout (default 2)")
+    parser.add_argument("--stall-seconds", type=float, default=STAGE_TIMEOUT_S + 20,
+                        help=f"how long a stall lasts (default {STAGE_TIMEOUT_S + 20:.0f} s: past the soak's "
+                             f"runtime.stage_timeout_s of {STAGE_TIMEOUT_S:.0f} s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (default 0)")
     parser.add_argument("--max-delay", type=float, default=6.0,
                         help="a kill lands 0..this many seconds after its metrics row (default 6: about an episode)")
@@ -577,7 +665,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
-    kills = plan_kills(rng, args.episodes, args.driver_kills, args.actor_kills, args.max_delay)
+    kills = plan_kills(rng, args.episodes, args.driver_kills, args.actor_kills, args.max_delay, args.server_kills,
+                       args.stalls)
     root = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     logs = root / "logs"
     logs.mkdir()
@@ -605,7 +694,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             out = root / name
             deadline = now() + 60 * args.time_limit if args.time_limit and name == "disturbed" else None
             runs[name] = sup = Supervisor(name, cmd, dict(base, CHATLEARN_OUTPUT_DIR=str(out)), out, logs,
-                                          run_kills, args.stall_timeout, args.max_failures, deadline)
+                                          run_kills, args.stall_timeout, args.max_failures, deadline,
+                                          args.stall_seconds)
             sup.run()
             if name == "undisturbed" and sup.outcome != "completed":
                 break
@@ -622,6 +712,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "episodes": args.episodes,
         "driver_kills_planned": args.driver_kills,
         "actor_kills_planned": args.actor_kills,
+        "server_kills_planned": args.server_kills,
+        "stalls_planned": args.stalls,
+        "stall_seconds": args.stall_seconds,
         "max_delay_s": args.max_delay,
         "command": ["chatlearn", "train", *overrides],
         "config_overrides": overrides,
