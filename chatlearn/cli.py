@@ -37,7 +37,7 @@ from chatlearn.runtime.cluster.placement import PlacementError, plan_placement, 
 from chatlearn.runtime.records.console import run_log
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.utils.devices import fake_gpus
-from chatlearn.utils.errors import UserError, find_user_error
+from chatlearn.utils.errors import RunCrashed, UserError, find_user_error
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -350,6 +350,9 @@ def _main(argv: list[str] | None) -> int:
             return {"train": cmd_train, "eval": cmd_eval}[ns.command](ns.args)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (chatlearn.runtime.calls.stopping.Stopped)
         return _stopped(getattr(exc, "signame", "SIGINT"))
+    except RunCrashed as exc:  # e.g. the Ray head of the cluster the run joined went away (runtime.cluster.head)
+        print(f"chatlearn: error: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         if stopping():  # what a stop looked like on its way out (an actor killed for it, Prefect's wrapper)
             return _stopped(stop_signal() or "SIGTERM")

@@ -14,6 +14,7 @@ colocated models handing memory over with every offload flag on.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -104,23 +105,108 @@ def test_fake_gpu_run_uses_the_planned_devices(one_node_run):
     assert [r["episode"] for r in got] == [0, 1] and all(0.0 <= r["reward_mean"] <= 1.0 for r in got)
 
 
-def test_one_two_node_cluster_matches_one_node_then_fails_in_one_line_when_a_node_is_lost_or_missing(
-        one_node_run, prefect_api, tiny_model_dir, tmp_path, shipped_reward):
-    """One two-node cluster for three runs, in order: the run matches the one-node run; a run that loses the
-    second node mid-run fails naming it; on the head alone the layout does not fit: one line, nothing written."""
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A Ray cluster of two raylets on this machine (3 + 1 fake GPUs), joined through RAY_ADDRESS: (cluster, the
+    second node). The tests below use it in order; the last one takes its head away."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3, resources={"head": 1}))
-    try:
+    # the cluster's own processes wait 5 minutes for a lost GCS (Ray's default: 60 s), so when its head goes away
+    # the run's model processes end because the run asked them to, not because their raylet gave up
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "300")
+        cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3, resources={"head": 1}))
         second = cluster.add_node(num_cpus=4, num_gpus=1, resources={"second": 1})
+    try:
         cluster.wait_for_nodes()
-        run_dir = train(tmp_path, "two-nodes", tiny_model_dir, *GPU_LAYOUT, *shipped_reward,
-                        env={"RAY_ADDRESS": cluster.address, "CHATLEARN_FAKE_GPUS": "4"})
-        check_two_nodes(run_dir, one_node_run)
-        lose_the_second_node(cluster, second, tiny_model_dir, tmp_path, shipped_reward)
-        too_small(cluster, tiny_model_dir, tmp_path)
+        yield cluster, second
     finally:
         cluster.shutdown()
+
+
+def test_one_two_node_cluster_matches_one_node_then_fails_in_one_line_when_a_node_is_lost_or_missing(
+        two_node_cluster, one_node_run, prefect_api, tiny_model_dir, tmp_path, shipped_reward):
+    """One two-node cluster for three runs, in order: the run matches the one-node run; a run that loses the
+    second node mid-run fails naming it; on the head alone the layout does not fit: one line, nothing written."""
+    cluster, second = two_node_cluster
+    run_dir = train(tmp_path, "two-nodes", tiny_model_dir, *GPU_LAYOUT, *shipped_reward,
+                    env={"RAY_ADDRESS": cluster.address, "CHATLEARN_FAKE_GPUS": "4"})
+    check_two_nodes(run_dir, one_node_run)
+    lose_the_second_node(cluster, second, tiny_model_dir, tmp_path, shipped_reward)
+    too_small(cluster, tiny_model_dir, tmp_path)
+
+
+def test_the_joined_clusters_head_going_away_ends_the_run_in_one_line_and_a_rerun_resumes(
+        two_node_cluster, prefect_api, tiny_model_dir, tmp_path):
+    """The cluster's GCS server is SIGKILLed while a run that joined it trains: once it has not answered for half
+    of Ray's reconnect window (40 s here: 20 s), the run ends with one line naming the head's address, exit 1,
+    before Ray's client would end it; its flow run is Crashed and its model processes exit. Re-run (on a local
+    Ray, the cluster being gone), it resumes from the last checkpoint."""
+    from prefect import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL
+
+    cluster, _ = two_node_cluster
+    env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
+               PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=cluster.address,
+               RAY_gcs_rpc_server_reconnect_timeout_s="40")
+    # more episodes than the 20 s can hold, so the head's loss is what ends the run
+    args = [*SMALL, "runtime.num_episode=30", "runtime.save_episode_interval=1", "runtime.exp_name=head-gone"]
+    proc = subprocess.Popen([sys.executable, "-m", "chatlearn.cli", "train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "head-gone"
+    metrics = run_dir / "metrics.jsonl"
+    for _ in range(3000):
+        if proc.poll() is not None or (metrics.exists() and metrics.read_text().strip()):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    gcs = cluster.head_node.all_processes["gcs_server"][0].process
+    gcs.kill()
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=300)
+    exited = time.monotonic()
+    ended = exited - killed
+    assert proc.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("chatlearn: error:")]
+    assert len(errors) == 1 and errors[0] == err.strip().splitlines()[-1], err[-3000:]
+    assert errors[0].startswith(f"chatlearn: error: the Ray head at {cluster.address} went away during episode "), \
+        errors
+    assert "(its GCS has not answered for 20 s); the run's model processes end with it. Re-run the same command " \
+           "once the cluster is back to resume from the last checkpoint" in errors[0], errors
+    # ours, not Ray's client ending the process (its line, exit 1 too, 40 s after the GCS went)
+    assert "Traceback" not in err and "Failed to connect to GCS" not in err, err[-3000:]
+    assert ended >= 20, ended  # the grace was given
+
+    record = json.loads((run_dir / ".flow_run.json").read_text())
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(record["flow_run_id"]).state.type == StateType.CRASHED
+    # the model processes were asked to exit: gone after the call they were in, long before the cluster's raylets
+    # would give up on the GCS and take them along (300 s, the fixture)
+    ranks = json.loads((run_dir / "placement.json").read_text())["ranks"]
+    pids = {r["pid"] for reps in ranks.values() for rep in reps for r in rep}
+    while pids and time.monotonic() - exited < 30:
+        pids = {pid for pid in pids if _alive(pid)}
+        time.sleep(0.2)
+    assert not pids, f"model processes still running: {pids}"
+
+    done = len(metrics.read_text().splitlines())  # episodes run before the head's loss was noticed
+    env.pop("RAY_ADDRESS")
+    rerun = subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *args[:-3],
+                            f"runtime.num_episode={done + 1}", *args[-2:]], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert re.search(r"resuming after episode \d+ ", rerun.stderr), rerun.stderr[-3000:]
+    assert [r["episode"] for r in rows(run_dir)] == list(range(done + 1))
+    assert (run_dir / "final" / "policy" / "model.safetensors").is_file()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def check_two_nodes(run_dir, one_node_run):

@@ -1,5 +1,7 @@
-"""A local Ray outliving its driver, without Ray (chatlearn.runtime.cluster.reaper): the reaper on a real process
-tree whose "driver" is SIGKILLed."""
+"""The Ray head going away and a local Ray outliving its driver, without Ray (chatlearn.runtime.cluster.head,
+chatlearn.runtime.cluster.reaper): the reaper on a real process tree whose "driver" is SIGKILLed, what each kind of
+head loss raises, and the one line the CLI prints. The real kills (a run's GCS server mid-episode, a joined
+cluster's head, SIGKILLed drivers) are in tests/test_resume.py and tests/test_placement_runs.py."""
 
 import json
 import os
@@ -11,7 +13,9 @@ import time
 
 import pytest
 
-from chatlearn.runtime.cluster import reaper
+from chatlearn.runtime.calls import recovery
+from chatlearn.runtime.cluster import head, reaper
+from chatlearn.utils.errors import RunCrashed
 from tests.conftest import REPO
 
 
@@ -73,3 +77,71 @@ def test_end_leaves_a_pid_that_now_names_another_process():
         proc.wait(timeout=5)
     finally:
         proc.kill()
+
+
+class FakeWatch:
+    def __init__(self, gone):
+        self.gone = gone
+
+
+@pytest.fixture
+def watching(monkeypatch):
+    """Make the run's head watch report ``gone`` (a head.Gone, or None while the head is there)."""
+    watches: list = []
+    monkeypatch.setattr(head, "_WATCHES", watches)
+    return lambda gone: watches.append(FakeWatch(gone))
+
+
+def test_a_local_heads_loss_is_a_lost_process_and_nothing_asks_the_dead_ray(watching):
+    watching(head.Gone(True, "127.0.0.1:6379", "its gcs_server, pid 4242, killed by SIGKILL"))
+
+    class NoActor:  # the model processes must not be pinged: without a GCS the answer may never come
+        def __getattr__(self, name):
+            raise AssertionError(f"asked the dead Ray: {name}")
+
+    lost = recovery.process_loss(RuntimeError("an actor call failed"), {"0-w0": NoActor()}, set(), 4)
+    assert isinstance(lost, recovery.HeadLost) and isinstance(lost, recovery.ProcessLost)
+    assert lost.message == ("the head of the local Ray went away during episode 5 (its gcs_server, pid 4242, "
+                            "killed by SIGKILL); starting a fresh local Ray")
+    with pytest.raises(recovery.HeadLost):
+        recovery.check_head(-1)  # a wait outside the episodes (setup, export) raises it too
+
+
+def test_a_joined_clusters_head_loss_names_the_address_and_ends_the_run_as_crashed(watching):
+    watching(head.Gone(False, "10.0.0.7:6379", "its GCS has not answered for 30 s"))
+    lost = recovery.process_loss(RuntimeError("x"), {}, set(), 2)
+    assert isinstance(lost, recovery.HeadLost) and not lost.local  # `launch` turns it into RayHeadGone
+    assert lost.message == ("the Ray head at 10.0.0.7:6379 went away during episode 3 (its GCS has not answered for "
+                            "30 s); the run's model processes end with it. Re-run the same command once the cluster "
+                            "is back to resume from the last checkpoint")
+    ended = head.RayHeadGone(lost.message)
+    assert isinstance(ended, RunCrashed) and not isinstance(ended, Exception)  # Prefect: Crashed, not retried
+    assert str(ended) == lost.message
+
+
+def test_while_the_head_is_there_nothing_is_raised(watching):
+    recovery.check_head(3)  # nothing watched
+    watching(None)
+    recovery.check_head(3)
+    assert recovery.head_loss(3) is None
+
+
+def test_a_joined_clusters_grace_is_half_of_rays_own_reconnect_window(monkeypatch):
+    monkeypatch.delenv(head.RECONNECT_VAR, raising=False)
+    assert head.grace_s() == 30.0  # Ray ends the process after 60 s: half to ride out a GCS restart, half to end
+    monkeypatch.setenv(head.RECONNECT_VAR, "600")  # a cluster with GCS fault tolerance
+    assert head.grace_s() == 300.0
+    monkeypatch.setenv(head.RECONNECT_VAR, "not a number")
+    assert head.grace_s() == 30.0
+
+
+def test_the_cli_prints_a_crashed_run_as_one_line(monkeypatch, capsys):
+    from chatlearn import cli
+
+    def train(items):
+        raise head.RayHeadGone("the Ray head at 10.0.0.7:6379 went away during episode 3 (...)")
+
+    monkeypatch.setattr(cli, "cmd_train", train)
+    assert cli.main(["train"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "chatlearn: error: the Ray head at 10.0.0.7:6379 went away during episode 3 (...)"]

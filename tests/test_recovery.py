@@ -84,3 +84,25 @@ def test_other_errors_are_not_retried(attempts, tmp_path):
     with pytest.raises(RunError, match="boom"):
         run(tmp_path)
     assert len(seen) == 1
+
+
+def test_a_lost_local_ray_head_restarts_on_a_fresh_ray_and_a_joined_clusters_ends_the_run(attempts, tmp_path, capsys):
+    # the run's own local Ray lost its head: a lost process of its own kind, retried the same way; a joined
+    # cluster's head is not the run's to restart: the run ends at once (chatlearn.runtime.cluster.head)
+    from chatlearn.runtime.calls.recovery import HeadLost
+    from chatlearn.runtime.cluster.head import RayHeadGone
+
+    script, seen = attempts
+    head = HeadLost("the head of the local Ray went away during episode 3 (its gcs_server, pid 4242, killed by "
+                    "SIGKILL); starting a fresh local Ray")
+    head.progress = {"episode": 2, "committed": True}
+    script += [head, {"done": True}]
+    assert run(tmp_path) == {"done": True}
+    assert ("chatlearn: warning: the head of the local Ray went away during episode 3 (its gcs_server, pid 4242, "
+            "killed by SIGKILL); starting a fresh local Ray; recreating the model processes and resuming from the "
+            "last checkpoint (restart 1 of at most 3)") in capsys.readouterr().err
+    assert seen[-1].runtime.enable_resume_training is True
+    script += [RayHeadGone("the Ray head at 10.0.0.7:6379 went away"), {"never": "reached"}]
+    with pytest.raises(RayHeadGone):
+        run(tmp_path)
+    assert len(seen) == 3

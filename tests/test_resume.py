@@ -14,6 +14,7 @@ come back tied for the resumed run to match (issue 21). The default's Llama resu
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -26,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from chatlearn.runtime.cluster import reaper
 from chatlearn.runtime.records import prefect_server
 from tests.conftest import chatlearn_train
 
@@ -93,15 +95,19 @@ def assert_same_as_reference(run_dir, reference_run):
 
 def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(reference_run, model_dirs, tmp_path):
     # one run killed twice: halfway through writing episode 2's record (it resumes after episode 1), then, resumed,
-    # while episode 3 is scored and trained (it resumes after episode 2); the third start ends as undisturbed
+    # while episode 3 is scored and trained (it resumes after episode 2); the third start ends as undisturbed.
+    # No process of a start outlives it by more than seconds, a SIGKILLed one's Ray included (its agents lived
+    # on for a minute: chatlearn.runtime.cluster.reaper)
     exp = "killed-twice"
-    for crash, resumed_after in [("data_checkpoint_write:1", None), ("after_generate:2", 1), (None, 2)]:
-        res = train(tmp_path, exp, model_dirs, crash=crash)
-        if resumed_after is not None:
-            assert f"resuming after episode {resumed_after} " in res.stdout + res.stderr, res.stderr[-3000:]
-        if crash is not None:
-            assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
-            assert not (tmp_path / exp / "final").exists()
+    with RunProcesses() as processes:
+        for crash, resumed_after in [("data_checkpoint_write:1", None), ("after_generate:2", 1), (None, 2)]:
+            res = train(tmp_path, exp, model_dirs, crash=crash)
+            assert processes.left_after(OUTLIVE_S, processes.take()) == [], res.stderr[-3000:]
+            if resumed_after is not None:
+                assert f"resuming after episode {resumed_after} " in res.stdout + res.stderr, res.stderr[-3000:]
+            if crash is not None:
+                assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+                assert not (tmp_path / exp / "final").exists()
     assert res.returncode == 0, res.stderr[-3000:]
     assert_same_as_reference(tmp_path / exp, reference_run)
 
@@ -196,3 +202,101 @@ def test_a_prefect_api_that_stays_down_does_not_stop_the_run_nor_hold_it_at_exit
     assert "training goes on without it" in res.stderr and "still does not answer" in res.stderr
     assert _no_traceback(res.stderr), res.stderr[-3000:]
     assert_same_as_reference(tmp_path / "api-gone", reference_run)
+
+
+# -- the processes of a run, and its local Ray's head going away (chatlearn.runtime.cluster.head, .reaper) -------
+
+OUTLIVE_S = 10.0  # how long a process of a run may outlive it (a SIGKILLed driver's Ray agents lived 65 s)
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class RunProcesses:
+    """Notes, every 0.2 s while in use, every process of each `chatlearn train` this test process starts: the
+    command and everything below it, with their command lines."""
+
+    def __init__(self):
+        self.noted = {}  # (pid, start time) -> command line
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._note, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+    def drivers(self):
+        return [pid for pid, _ in reaper.descendants([os.getpid()])
+                if pid != os.getpid() and "chatlearn.cli train" in _cmdline(pid)]
+
+    def _note(self):
+        while not self._done.wait(0.2):
+            for ident in reaper.descendants(self.drivers()):
+                if ident not in self.noted:
+                    self.noted[ident] = _cmdline(ident[0])
+
+    def take(self):
+        """Every process noted so far, forgotten here."""
+        noted, self.noted = set(self.noted), {}
+        return noted
+
+    def left_after(self, seconds, idents):
+        """Of ``idents``, those still running ``seconds`` on."""
+        deadline = time.monotonic() + seconds
+        while True:
+            live = reaper.descendants(pid for pid, _ in idents)  # each alone: a root of its own
+            left = [f"{pid} {self.noted.get((pid, st), '')[:80]}" for pid, st in idents if (pid, st) in live]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
+
+
+def test_the_local_rays_head_killed_mid_run_is_replaced_and_the_run_ends_as_undisturbed(
+        reference_run, model_dirs, tmp_path):
+    # the GCS server of the Ray the run started is SIGKILLed once two episodes are done, while the third runs:
+    # within a second the run ends what is left of that Ray, starts a fresh local Ray and resumes from the last
+    # checkpoint, before Ray's client would have ended the process (60 s after the GCS went), and ends with the
+    # undisturbed run's weights and rows
+    run_dir = tmp_path / "head-killed"
+    killed = {}
+
+    def kill_the_gcs(processes):
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline and not killed:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                for driver in processes.drivers():
+                    tree = reaper.descendants([driver])
+                    gcs = [pid for pid, _ in tree if _cmdline(pid).split(" ")[0].endswith("/gcs_server")]
+                    if gcs:  # the dead Ray's raylet, agents and workers must go within seconds
+                        ray = {ident for ident in tree if ident[0] != driver and "reaper.py" not in _cmdline(ident[0])}
+                        os.kill(gcs[0], signal.SIGKILL)
+                        killed.update(gcs=gcs[0], left=processes.left_after(OUTLIVE_S, ray))
+            time.sleep(0.2)
+
+    with RunProcesses() as processes:
+        killer = threading.Thread(target=kill_the_gcs, args=(processes,), daemon=True)
+        killer.start()
+        res = train(tmp_path, "head-killed", model_dirs)
+        killer.join(timeout=5)
+        assert killed and killed["left"] == [], res.stderr[-3000:]
+        assert processes.left_after(OUTLIVE_S, processes.take()) == []  # nor anything of the fresh one
+    assert res.returncode == 0, res.stderr[-3000:]
+    # the kill lands in episode 3, or just before episode 2's checkpoint record is committed
+    warned = re.search(r"chatlearn: warning: the head of the local Ray went away during episode (\d) \(its "
+                       rf"gcs_server, pid {killed['gcs']}, killed by SIGKILL\); starting a fresh local Ray; "
+                       r"recreating the model processes and resuming from the last checkpoint \(restart 1 of at most "
+                       r"3\)", res.stderr)
+    assert warned and warned[1] in "23", res.stderr[-3000:]
+    assert f"resuming after episode {int(warned[1]) - 1} " in res.stderr
+    assert "Traceback" not in res.stderr and "Failed to connect to GCS" not in res.stderr, res.stderr[-3000:]
+    assert_same_as_reference(run_dir, reference_run)

@@ -33,6 +33,22 @@ class RunError(UserError, RuntimeError):
         return (type(self), (self.message,))
 
 
+class RunCrashed(BaseException):
+    """The run cannot go on for a cause outside it (the Ray head of the cluster it joined went away): one line,
+    exit 1. A BaseException, as a stop is: Prefect marks the flow run Crashed, as for a killed run, not Failed,
+    and retries nothing; a re-run resumes from the last checkpoint."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message,))
+
+
 def find_error(exc: BaseException | None,
                kind: type[BaseException] | tuple[type[BaseException], ...]) -> BaseException | None:
     """The ``kind`` of error inside ``exc``: itself, one a Ray ``RayTaskError`` wraps (``.cause``), or one in its

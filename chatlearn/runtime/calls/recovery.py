@@ -10,6 +10,11 @@ equal an undisturbed run's (tests/test_recovery.py).
 A failure counts as a lost process only when a worker of the run is really gone afterwards (its actor no
 longer answers), not from the exception's type alone: a peer rank of a dead process fails with a gloo
 "Connection closed" from a live actor, and a user error must never be retried.
+
+The Ray head going away (chatlearn.runtime.cluster.head) is asked about first, since the checks above need
+it: every model process went with it (`HeadLost`). Of a local Ray the run started, that is a lost process like
+any other, and the restart starts a fresh local Ray; of a cluster the run joined, `launch` turns it into
+`RayHeadGone`, which ends the run.
 """
 
 import contextlib
@@ -20,6 +25,7 @@ from typing import Any
 
 import ray
 
+from chatlearn.runtime.cluster.head import head_gone
 from chatlearn.utils.errors import RunError
 
 
@@ -33,6 +39,42 @@ class ProcessLost(RunError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.message, self.lost, self.nodes))
+
+
+class HeadLost(ProcessLost):
+    """The Ray head went away, and every model process with it (``local``: the head of a local Ray the run
+    started, which a restart replaces; else the head of a cluster the run joined)."""
+
+    def __init__(self, message: str, local: bool = True) -> None:
+        super().__init__(message)
+        self.local = local
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message, self.local))
+
+
+def _during(episode: int | None) -> str:
+    return f" during episode {episode + 1}" if episode is not None and episode >= 0 else ""  # counted from 1
+
+
+def head_loss(episode: int | None) -> HeadLost | None:
+    """A HeadLost if the Ray head went away (``episode``: the one running, 0-based), None while it is there."""
+    gone = head_gone()
+    if gone is None:
+        return None
+    if gone.local:
+        return HeadLost(f"the head of the local Ray went away{_during(episode)} ({gone.what}); starting a fresh "
+                        "local Ray")
+    return HeadLost(f"the Ray head at {gone.address} went away{_during(episode)} ({gone.what}); the run's model "
+                    "processes end with it. Re-run the same command once the cluster is back to resume from the "
+                    "last checkpoint", local=False)
+
+
+def check_head(episode: int | None) -> None:
+    """Raise `head_loss`'s HeadLost if the Ray head went away."""
+    lost = head_loss(episode)
+    if lost is not None:
+        raise lost
 
 
 def lost_processes(processes: dict[str, Any], timeout_s: float = 10.0) -> list[str]:
@@ -64,6 +106,9 @@ def alive_node_ids() -> set[str]:
 def process_loss(exc: BaseException, processes: dict[str, Any], nodes_before: set[str],
                  episode: int | None) -> ProcessLost | None:
     """A ProcessLost describing ``exc`` when run processes are gone after it, else None (not recoverable)."""
+    head = head_loss(episode)  # with the head gone, nothing below would get an answer
+    if head is not None:
+        return head
     with contextlib.suppress(Exception):
         lost = lost_processes(processes)
         if not lost:

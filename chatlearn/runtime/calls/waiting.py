@@ -3,7 +3,8 @@
 A bare `ray.get` blocks until the result is there: a stuck model (a deadlocked collective, a hook that never
 returns) hangs the run forever, and a SIGTERM only lands when the call returns. `StageClock.get` waits in
 short slices instead; past the stage's deadline it cancels what is still running and raises a RunError
-naming the episode, the stage and the models that did not answer; after a stop signal it raises `Stopped`.
+naming the episode, the stage and the models that did not answer; after a stop signal it raises `Stopped`, and
+once the Ray head went away what `chatlearn.runtime.calls.recovery.check_head` raises.
 It waits on every rank of a replica call (a `Call`), so a failed or stuck rank other than 0 is seen too.
 This is the driver's one way to wait for its actors (tests/test_layers.py checks no other `ray.get` in the
 driver goes without a timeout).
@@ -17,6 +18,7 @@ from typing import Any
 import ray
 
 from chatlearn.runtime.calls.handles import Call
+from chatlearn.runtime.calls.recovery import check_head
 from chatlearn.runtime.calls.stopping import Stopped, stop_signal, stopping
 from chatlearn.utils.errors import RunError
 
@@ -61,6 +63,7 @@ class StageClock:
                 break
             if stopping():
                 raise Stopped(stop_signal() or "SIGTERM")
+            check_head(self.episode)
             if self.deadline is not None and time.monotonic() > self.deadline:
                 waiting = sorted({owner[r] for r in pending if owner[r]})
                 for ref in pending:

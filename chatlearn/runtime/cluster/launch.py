@@ -23,9 +23,12 @@ from chatlearn.data.preflight import record_keys
 from chatlearn.data.ranking import rank_prompts
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.rule import RuleSpec
-from chatlearn.runtime.calls.handles import RunHandle
+from chatlearn.runtime.calls.handles import RunHandle, own_actors
+from chatlearn.runtime.calls.recovery import HeadLost, head_loss
 from chatlearn.runtime.calls.stopping import keep_handlers, on_stop
 from chatlearn.runtime.calls.waiting import wait
+from chatlearn.runtime.cluster import reaper
+from chatlearn.runtime.cluster.head import HeadWatch, RayHeadGone, local_ray_pids
 from chatlearn.runtime.cluster.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
 from chatlearn.runtime.cluster.placement import NodeSpec, plan_placement
 from chatlearn.runtime.cluster.stream_dataset import StreamDataset
@@ -33,6 +36,7 @@ from chatlearn.runtime.plan import ResolvedEngine
 from chatlearn.runtime.prepared import PreparedRun
 from chatlearn.runtime.weights.sync import SyncRoute, check_specs, connect, plan_route
 from chatlearn.utils.devices import fake_gpus
+from chatlearn.utils.errors import find_error
 from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, code_dirs_on_path
 
 logger = logging.getLogger("chatlearn")
@@ -288,6 +292,11 @@ def _launch(prepared: PreparedRun, data_checkpoint_path: str) -> Iterator[tuple[
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
     names = list(eng.modules)
     started_ray = init_ray(cfg, namespace, names)
+    # a local Ray this run started ends with it, a SIGKILLed driver included, and the Ray head going away is
+    # noticed within seconds (chatlearn.runtime.cluster.reaper, chatlearn.runtime.cluster.head)
+    local = started_ray and not os.environ.get("RAY_ADDRESS")
+    ray_reaper = reaper.Reaper(local_ray_pids()) if local and reaper.supported() else None
+    watch = HeadWatch(local)
     stop_guard = contextlib.ExitStack()
     prefix = f"{uuid.uuid4().hex[:8]}-"
     workers: Workers | None = None
@@ -309,6 +318,8 @@ def _launch(prepared: PreparedRun, data_checkpoint_path: str) -> Iterator[tuple[
         workers = start_workers(plan, node_ids, cfg, eng.modules, namespace, prefix)
         stream = ray.remote(StreamDataset).options(name=prefix + "stream-dataset", namespace=namespace,
                                                    num_cpus=0, max_restarts=0).remote(rt)
+        stop_guard.enter_context(own_actors(namespace, {**{workers.names[p]: a for p, a in workers.actors.items()},
+                                                        prefix + "stream-dataset": stream}))
         infos = setup_models(workers, rt.concurrent_setup, rt.stage_timeout_s)
         write_placement(rt.run_dir, workers, node_ids, infos)
         logger.info("started %d worker processes for %d models in %.1fs", len(workers.actors), len(names),
@@ -325,14 +336,30 @@ def _launch(prepared: PreparedRun, data_checkpoint_path: str) -> Iterator[tuple[
             wait([a.build_dataset.remote(eval_ref, True) for a in answering.heads], "setup", rt.stage_timeout_s)
         run = _run_handle(cfg, eng, workers, prefix, namespace, sizes[0], len(eval_prompts), data_checkpoint_path)
         yield run, workers.groups, stream
+    except Exception as exc:  # with the Ray head gone, whatever broke on the way is the head's loss
+        lost = head_loss(None)
+        if lost is None:
+            raise
+        lost = find_error(exc, HeadLost) or lost  # the one a wait raised names the episode
+        if not lost.local:  # a cluster's head: the run ends (one line; the flow run Crashed)
+            raise RayHeadGone(lost.message) from exc
+        if lost is exc:
+            raise
+        raise lost from exc
     finally:
         stop_guard.close()
-        if workers is not None:
-            with contextlib.suppress(Exception):
-                ray.get([a.shutdown.remote() for a in workers.actors.values()], timeout=10)
-            workers.kill()
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(stream, no_restart=True)
+        if watch.gone is not None:  # no GCS to ask: the actors are asked to exit by a call of their own
+            watch.end_actors([*(workers.actors.values() if workers is not None else []), *filter(None, [stream])])
+        else:
+            if workers is not None:
+                with contextlib.suppress(Exception):
+                    ray.get([a.shutdown.remote() for a in workers.actors.values()], timeout=10)
+                workers.kill()
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(stream, no_restart=True)
+        watch.close()
         if started_ray:
             ray.shutdown()
+        if ray_reaper is not None:
+            ray_reaper.close()
