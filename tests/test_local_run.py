@@ -6,11 +6,15 @@ watched from outside while it runs:
 * a second `chatlearn train` of the same run directory is refused before it starts anything, naming the first
   run's pid, start time and host;
 * SIGTERM stops it within seconds with one line, stops the Prefect server it started, and leaves the last
-  committed checkpoint the resume point.
+  committed checkpoint the resume point;
+* the same command again, stopped by SIGTERM during its start-up (while its local Ray starts, then while its
+  model processes are being created), stops the same way and leaves none of its processes running.
 
-One run for the three (each costs a Prefect server and a Ray start on this 2-core machine).
+One run for the first three (each costs a Prefect server and a Ray start on this 2-core machine); the two
+restarts are stopped before they train.
 """
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -48,6 +52,75 @@ def listening(root: psutil.Process) -> dict[tuple[str, int], str]:
                 name = "?"
             out[(conn.laddr.ip, conn.laddr.port)] = name
     return out
+
+
+def descendants(root: psutil.Process) -> dict[psutil.Process, str]:
+    """Every live descendant of ``root`` with its command line."""
+    try:
+        children = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for child in children:
+        try:
+            out[child] = " ".join(child.cmdline())[:120]
+        except psutil.Error:
+            pass
+    return out
+
+
+def ray_starting(names: list[str]) -> bool:
+    return any("raylet/raylet" in n for n in names)
+
+
+def model_processes_starting(names: list[str]) -> bool:
+    """A Ray worker became one of the run's actors (its title names the class, not IDLE): the model processes are
+    being created."""
+    return any(n.startswith(("ray::Worker", "ray::StreamDataset")) for n in names)
+
+
+def stop_during_start_up(cmd: list[str], env: dict, moment) -> dict:
+    """Run ``cmd``, SIGTERM it at the first sample of its process tree where ``moment`` holds; what it printed,
+    how it exited, and which of its processes outlived it."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[psutil.Process, str] = {}
+    reached = False
+    try:
+        root = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and not reached:
+            now = descendants(root)
+            seen.update(now)
+            reached = moment(list(now.values()))
+            if not reached:
+                time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        stop_seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 20  # processes being stopped as the command exits get a moment to go
+    while time.monotonic() < deadline and any(gone(p) is False for p in seen):
+        time.sleep(0.2)
+    left = {p.pid: name for p, name in seen.items() if gone(p) is False}
+    for p in left:  # not to disturb the tests that follow
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(p).kill()
+    print(f"stopped {stop_seconds:.1f} s after SIGTERM during start-up ({moment.__name__}): exit {proc.returncode}, "
+          f"{len(seen)} processes seen, {len(left)} left")
+    return dict(returncode=proc.returncode, err=err, stop_seconds=stop_seconds, seen=set(seen.values()), left=left,
+                reached=reached)
+
+
+def gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE  # is_running: False for a reused pid
+    except psutil.NoSuchProcess:
+        return True
 
 
 def is_loopback(address: str) -> bool:
@@ -100,9 +173,11 @@ def local_run(tiny_model_dir, tmp_path_factory) -> dict:
             break
         time.sleep(0.1)
     print(f"stopped {stop_seconds:.1f} s after SIGTERM")
+    # the same command again (it would resume), stopped while its Ray starts, then while its models start
+    start_up_stops = [stop_during_start_up(cmd, env, moment) for moment in (ray_starting, model_processes_starting)]
     return dict(env=env, tmp=tmp, run_dir=run_dir, pid=proc.pid, seen=seen, second=second, holder=holder,
                 server=server, server_alive_before=server_alive_before, returncode=proc.returncode, err=err,
-                stop_seconds=stop_seconds)
+                stop_seconds=stop_seconds, start_up_stops=start_up_stops)
 
 
 def test_a_local_run_listens_on_loopback_only_with_ray_token_auth(local_run):
@@ -122,6 +197,17 @@ def test_a_second_run_of_the_same_run_directory_is_refused_before_it_starts(loca
         f"chatlearn: error: run directory {local_run['run_dir']} is in use by pid {local_run['pid']} (started "
         f"{holder['started']} on host {socket.gethostname()}); wait for it or use another runtime.exp_name")
     assert "Prefect UI" not in second.stderr  # refused before the Prefect server or Ray
+
+
+def test_sigterm_during_start_up_stops_the_same_way_and_leaves_nothing_running(local_run):
+    for stop in local_run["start_up_stops"]:  # while Ray started, while the model processes were created
+        assert stop["reached"] and any("prefect server start" in n for n in stop["seen"]), stop["seen"]
+        assert not stop["left"], f"still running after the command exited: {stop['left']}"
+        assert stop["returncode"] == 128 + signal.SIGTERM, stop["err"][-3000:]
+        assert stop["err"].strip().splitlines()[-1] == ("chatlearn: stopped by SIGTERM; re-run the same command to "
+                                                        "resume from the last checkpoint"), stop["err"][-3000:]
+        assert "Traceback" not in stop["err"], stop["err"][-3000:]
+        assert "ready to train" not in stop["err"]  # stopped before the run trained
 
 
 def test_sigterm_stops_the_run_and_its_prefect_server_and_keeps_the_last_checkpoint(local_run, monkeypatch):

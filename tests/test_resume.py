@@ -121,6 +121,10 @@ def test_a_model_process_killed_mid_episode_is_recreated_and_the_run_ends_as_und
     assert res.returncode == 0, res.stderr[-3000:]
     assert "died during episode 3" in res.stderr and "restart 1 of at most 3" in res.stderr, res.stderr[-3000:]
     assert "resuming after episode 2 " in res.stderr
+    # the failed episode's noise (Prefect's tracebacks of Ray's ActorDiedError, its "Finished in state" lines)
+    # is in the run's log; the terminal has the one warning line
+    assert "Traceback" not in res.stderr and "ActorDiedError" not in res.stderr, res.stderr[-3000:]
+    assert "ActorDiedError" in (tmp_path / "killed" / "chatlearn.log").read_text()
     assert_same_as_reference(tmp_path / "killed", reference_run)
 
     # bounded restarts: tests/test_recovery.py
