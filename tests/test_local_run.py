@@ -70,7 +70,8 @@ def descendants(root: psutil.Process) -> dict[psutil.Process, str]:
 
 
 def ray_starting(names: list[str]) -> bool:
-    return any("raylet/raylet" in n for n in names)
+    """The raylet started its agents: `ray.init` is still waiting for the node (or connecting), no reaper yet."""
+    return any(n.startswith("ray::RuntimeEnvAgent") or "dashboard/agent.py" in n for n in names)
 
 
 def model_processes_starting(names: list[str]) -> bool:
@@ -173,7 +174,8 @@ def local_run(tiny_model_dir, tmp_path_factory) -> dict:
             break
         time.sleep(0.1)
     print(f"stopped {stop_seconds:.1f} s after SIGTERM")
-    # the same command again (it would resume), stopped while its Ray starts, then while its models start
+    # the same command again (it would resume), stopped while its Ray starts (its agents up), then while its
+    # model processes start
     start_up_stops = [stop_during_start_up(cmd, env, moment) for moment in (ray_starting, model_processes_starting)]
     return dict(env=env, tmp=tmp, run_dir=run_dir, pid=proc.pid, seen=seen, second=second, holder=holder,
                 server=server, server_alive_before=server_alive_before, returncode=proc.returncode, err=err,

@@ -104,10 +104,30 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     try:
         with loopback_only(), keep_handlers():
             ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, **common)
-    except BaseException:  # a stop (SIGTERM) or a failure halfway: what it started of the local Ray goes too
+    except BaseException:  # a stop (SIGTERM) or a failure halfway: what it started of the local Ray goes too,
+        # the agents its raylet started included (they outlive their raylet by a minute: cluster/reaper.py)
+        started = _local_ray_processes() if reaper.supported() else set()
         ray.shutdown()
+        reaper.end(started)
         raise
     return True
+
+
+def _local_ray_processes() -> set[reaper.Ident]:
+    """What a local `ray.init` of this driver started so far, with everything below it (the raylet's agents and
+    workers): the driver's descendants that run Ray's own programs, and their subtrees. (`ray.init` has no list
+    of them until it has started them all.)"""
+    ray_dir = os.path.dirname(ray.__file__) + os.sep
+
+    def runs_ray(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return ray_dir.encode() in f.read()
+        except OSError:
+            return False
+
+    return reaper.descendants(pid for pid, _ in reaper.descendants([os.getpid()]) if pid != os.getpid()
+                              and runs_ray(pid))
 
 
 def local_gpus() -> int:
