@@ -18,8 +18,9 @@ class UserError(Exception):
     """An error meant for the user, with a message that says what to do (see the module docstring)."""
 
 
-class RunError(UserError, RuntimeError):
-    """A failure of a running run, with a message that names where it happened and what to do."""
+class _Message:
+    """An exception that is its message, kept through pickling (Ray and Prefect ship exceptions between
+    processes)."""
 
     def __init__(self, message: str) -> None:
         self.message = message
@@ -29,24 +30,17 @@ class RunError(UserError, RuntimeError):
         return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # the message survives pickling (Ray and Prefect ship exceptions between processes)
         return (type(self), (self.message,))
 
 
-class RunCrashed(BaseException):
+class RunError(_Message, UserError, RuntimeError):
+    """A failure of a running run, with a message that names where it happened and what to do."""
+
+
+class RunCrashed(_Message, BaseException):
     """The run cannot go on for a cause outside it (the Ray head of the cluster it joined went away): one line,
     exit 1. A BaseException, as a stop is: Prefect marks the flow run Crashed, as for a killed run, not Failed,
     and retries nothing; a re-run resumes from the last checkpoint."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-        super().__init__(message)
-
-    def __str__(self) -> str:
-        return self.message
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.message,))
 
 
 def find_error(exc: BaseException | None,

@@ -85,7 +85,7 @@ class _OutageFilter(logging.Filter):
         if record.exc_info and record.exc_info[1] is not None and unreachable(record.exc_info[1]):
             return False
         prefect_internal = record.name.startswith(("prefect._internal", "prefect.events"))
-        return not (prefect_internal and (not self.link.up or self.link.outages))
+        return not (prefect_internal and self.link.outages)  # from the first outage on
 
 
 class ApiLink:
