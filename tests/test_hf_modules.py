@@ -247,3 +247,30 @@ def test_the_samplers_logprobs_are_the_forward_pass_logprobs(tiny_model_dir, arg
     assert (out["logprobs"][out["response_mask"] == 0] == 0).all()
     if args.get("min_new_tokens"):  # the ban held, yet no banned step's log-prob was renormalised without EOS
         assert (out["response_ids"][:, :3] != policy.tokenizer.eos_token_id).all()
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_qwen2_dir"])
+def test_the_lm_head_runs_on_the_response_positions_only_with_the_same_logits_and_gradients(model, request):
+    """`response_logits` asks the model for the response positions only (``logits_to_keep``): the same
+    values (bit for bit), and the same weight gradients through them, as slicing the full sequence's logits;
+    the untied Llama and the Qwen2 whose LM head is its embedding alike."""
+    from chatlearn.models.hf.common import full_sequence, load_causal_lm, response_logits, response_span
+
+    path = request.getfixturevalue(model)
+    policy = bound(PolicyInference, "policy", {"model_path": path, "max_new_tokens": 5})
+    batch = policy.collate_fn(policy.build_dataset(make_records(6, seed=4)))
+    batch["sample_id"] = list(range(6))
+    out = policy.forward_step(batch, iteration=0)
+    lm = load_causal_lm(path)
+    ids, attn, pos = full_sequence(out)
+    full = lm(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, response_span(out), :]
+    weights = torch.randn(full.shape, generator=torch.Generator().manual_seed(0))
+    (full * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    lm.zero_grad()
+    kept = response_logits(lm, out, torch.device("cpu"))
+    (kept * weights).sum().backward()
+    assert kept.shape == full.shape == (6, out["response_ids"].shape[1], lm.config.vocab_size)
+    assert torch.equal(kept, full)
+    for name, p in lm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=1e-4, msg=name)

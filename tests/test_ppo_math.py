@@ -319,6 +319,34 @@ def test_logprobs_from_logits_is_numerically_stable() -> None:
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
+def test_logprobs_from_logits_in_chunks_match_log_softmax_in_value_and_gradient(monkeypatch) -> None:
+    """Chunks of 7 positions (so the last chunk is short), a temperature, and bf16 logits: the same log-probs
+    and gradients as autograd through ``log_softmax(x / T).gather``, and no float32 [rows, V] kept."""
+    from chatlearn.algorithms import ppo
+
+    monkeypatch.setattr(ppo, "LOGPROB_CHUNK_ROWS", 7)
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 50, (3, 11), generator=gen)
+    weights = torch.randn(3, 11, generator=gen)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5), (torch.float64, 1e-12)):
+        for temperature in (1.0, 0.7):
+            base = torch.randn(3, 11, 50, generator=gen) * 3
+            x = base.to(dtype).requires_grad_()
+            lp = logprobs_from_logits(x, labels, temperature)
+            (lp * weights).sum().backward()
+            ours, x.grad = x.grad, None
+            wide = torch.promote_types(dtype, torch.float32)
+            ref = torch.log_softmax(x.to(wide) / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
+            (ref * weights).sum().backward()
+            assert lp.dtype == wide and ours.dtype == dtype
+            torch.testing.assert_close(lp, ref, atol=tol, rtol=0)
+            torch.testing.assert_close(ours.to(wide), x.grad.to(wide), atol=tol, rtol=tol)
+    # what the forward keeps for backward: the logits themselves and one float per position, nothing [rows, V]
+    x = torch.randn(3, 11, 50, requires_grad=True)
+    saved = logprobs_from_logits(x, labels).grad_fn.saved_tensors
+    assert sorted(t.numel() for t in saved) == [33, 33, 3 * 11 * 50] and saved[0] is x
+
+
 # ----------------------------------------------------------------------------- registry
 
 

@@ -18,7 +18,6 @@ Conventions used throughout:
 """
 
 import torch
-import torch.nn.functional as F
 
 from chatlearn.algorithms.registry import register_policy_loss, register_value_loss
 
@@ -356,22 +355,66 @@ def ppo_clipped_value_loss(
 # --------------------------------------------------------------------------------------
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label token under ``softmax(logits)``.
+LOGPROB_CHUNK_ROWS = 512  # token positions per chunk: at most this many x vocab floats exist at once
 
-    ``log_softmax`` subtracts the log-sum-exp internally, so it is stable for large
-    logits (unlike ``log(softmax(x))``).  Half-precision logits are upcast to float32
-    first: PPO ratios are ``exp`` of *differences* of these values, and bf16's ~3
-    significant digits would make ``ratio`` noise.
+
+def _chunks(rows: int) -> range:
+    return range(0, rows, LOGPROB_CHUNK_ROWS)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log_softmax(logits / T)[label], a chunk of positions at a time, forward and backward.
+
+    Forward keeps only the per-position log-sum-exp (no [rows, V] float copy), and backward rebuilds each
+    chunk's softmax from the logits: ``d lp / d x = (onehot(label) - softmax(x / T)) / T``. Autograd over
+    ``log_softmax(...).gather`` would keep the whole float32 [rows, V] result (and for bf16 logits its float32
+    copy too) until the backward pass."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+        out_dtype = torch.promote_types(logits.dtype, torch.float32)
+        flat = logits.reshape(-1, logits.shape[-1])
+        idx = labels.reshape(-1, 1).long()
+        lp = torch.empty(flat.shape[0], dtype=out_dtype, device=logits.device)
+        lse = torch.empty_like(lp)
+        for s in _chunks(flat.shape[0]):
+            x = flat[s:s + LOGPROB_CHUNK_ROWS].to(out_dtype) / temperature
+            lse[s:s + LOGPROB_CHUNK_ROWS] = torch.logsumexp(x, -1)
+            lp[s:s + LOGPROB_CHUNK_ROWS] = x.gather(-1, idx[s:s + LOGPROB_CHUNK_ROWS]).squeeze(-1)
+        lp -= lse
+        ctx.save_for_backward(logits, idx, lse)
+        ctx.temperature = temperature
+        return lp.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, idx, lse = ctx.saved_tensors
+        t = ctx.temperature
+        flat = logits.reshape(-1, logits.shape[-1])
+        g = grad.reshape(-1, 1).to(lse.dtype)
+        out = torch.empty_like(flat)
+        for s in _chunks(flat.shape[0]):
+            e = s + LOGPROB_CHUNK_ROWS
+            d = torch.exp(flat[s:e].to(lse.dtype) / t - lse[s:e, None]).mul_(-g[s:e])
+            d.scatter_add_(-1, idx[s:e], g[s:e])
+            out[s:e] = d.div_(t)
+        return out.view_as(logits), None, None
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each label token under ``softmax(logits / temperature)``.
+
+    Computed as ``x[label] - logsumexp(x)``, stable for large logits (unlike ``log(softmax(x))``), and in
+    chunks of positions, so neither pass holds ``batch x length x vocab`` floats beyond the logits themselves
+    and their gradient. Half-precision logits are upcast to float32 chunk by chunk: PPO ratios are ``exp`` of
+    *differences* of these values, and bf16's ~3 significant digits would make ``ratio`` noise.
 
     Args:
         logits: ``[B, T, V]`` (the logits that *predict* ``labels``, i.e. already shifted).
         labels: ``[B, T]`` integer token ids.
+        temperature: the sampling temperature the logits are divided by.
 
     Returns:
         ``[B, T]`` log-probs (float32 for half-precision inputs, else ``logits.dtype``).
     """
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    log_probs = F.log_softmax(logits, dim=-1)
-    return log_probs.gather(dim=-1, index=labels.long().unsqueeze(-1)).squeeze(-1)
+    return _TokenLogprobs.apply(logits, labels, temperature)

@@ -156,7 +156,8 @@ class PipelinedLM:
         self.ctx, self.config = ctx, model.config
         self.dtype = next(model.parameters()).dtype
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 logits_to_keep: torch.Tensor | None = None) -> Any:
         logits = pipelined_logits(self.ctx.stage, self.ctx, input_ids, attention_mask, position_ids,
                                   self.config.hidden_size, self.config.vocab_size, self.dtype)
-        return SimpleNamespace(logits=logits)
+        return SimpleNamespace(logits=logits if logits_to_keep is None else logits[:, logits_to_keep])

@@ -75,14 +75,23 @@ def response_span(batch: dict) -> slice:
 
 
 def response_logits(model, batch: dict, device: torch.device) -> torch.Tensor:
-    """Logits [B, R, V] that predict each response token."""
-    out, span = _response_positions(model, batch, device)
-    return out.logits[:, span, :]
+    """Logits [B, R, V] that predict each response token. The LM head runs on those positions only (Hugging
+    Face's ``logits_to_keep``): the prompt's positions predict nothing that is scored, and over a vocabulary
+    of 150k their logits would cost more than the layers. The positions go as an index tensor, not a count:
+    a count slices the hidden states into a strided view, on which the head's matmul takes another kernel
+    when its weight requires grad, and the trainer's log-probs would then differ from the reference's in
+    the last bits at identical weights; an index gathers a contiguous copy, and both agree exactly."""
+    input_ids, attn, pos = full_sequence(batch)
+    span = response_span(batch)
+    keep = torch.arange(span.start, span.stop, device=device)
+    out = model(input_ids=input_ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device),
+                logits_to_keep=keep)
+    return out.logits
 
 
 def logprobs_of(logits: torch.Tensor, batch: dict, device: torch.device, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs [B, R] of the response tokens from their logits [B, R, V] (0 at padding)."""
-    lp = logprobs_from_logits(logits.float() / temperature, batch["response_ids"].to(device))
+    lp = logprobs_from_logits(logits, batch["response_ids"].to(device), temperature)
     return lp * batch["response_mask"].to(device)
 
 

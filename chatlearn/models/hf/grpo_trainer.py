@@ -70,8 +70,7 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         a = self.args
         total = self.batch_mean.total  # the loss divides by the global batch's tokens itself; w weighs the stats
         mask = mb["response_mask"].to(self.device)
-        logits = out.float() / a.temperature
-        logprobs = logprobs_from_logits(logits, mb["response_ids"].to(self.device)) * mask
+        logprobs = logprobs_from_logits(out, mb["response_ids"].to(self.device), a.temperature) * mask
         old = mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]
         loss, st = self.loss_fn(logprobs, old.to(self.device), mb["advantages"].to(self.device), mask,
                                 pos_clip_ratio=a.pos_clip_ratio, neg_clip_ratio=a.neg_clip_ratio,
@@ -83,7 +82,7 @@ class GRPOPolicyTrainer(CausalLMTrainer):
             loss = loss + a.kl_coef * kl
             part["kl_loss"] = float(kl.detach()) * on
         if a.entropy_coef > 0:
-            ent = masked_sum(entropy_from_logits(logits), mask) / total
+            ent = masked_sum(entropy_from_logits(out.float() / a.temperature), mask) / total
             loss = loss - a.entropy_coef * ent
             part["entropy"] = float(ent.detach()) * on
         for k in _CLIP_STATS:
