@@ -31,7 +31,7 @@ from chatlearn.config import ChatLearnConfig, ConfigError, ConfigWarning, Engine
 from chatlearn.config.engine_checks import engine_name
 from chatlearn.config.engines import ENGINES
 from chatlearn.data.prompts import DataError
-from chatlearn.runtime.calls.stopping import stop_on_signals, stop_signal, stopping
+from chatlearn.runtime.calls.stopping import stop_on_signals
 from chatlearn.runtime.cluster.dlc import DLCNode, dlc_head, dlc_node, serve_as_worker
 from chatlearn.runtime.cluster.placement import PlacementError, plan_placement, uniform_cluster
 from chatlearn.runtime.records.console import run_log
@@ -353,9 +353,7 @@ def _main(argv: list[str] | None) -> int:
     except RunCrashed as exc:  # e.g. the Ray head of the cluster the run joined went away (runtime.cluster.head)
         print(f"chatlearn: error: {exc}", file=sys.stderr)
         return 1
-    except Exception as exc:
-        if stopping():  # what a stop looked like on its way out (an actor killed for it, Prefect's wrapper)
-            return _stopped(stop_signal() or "SIGTERM")
+    except Exception as exc:  # a stop's own failures on the way out arrive as Stopped (stop_on_signals)
         # an error meant for the user (a config, data, a placement, a user hook, a NaN, a write that failed, a
         # run directory in use), itself or inside Ray's RayTaskError (whose own str() is the remote traceback)
         # or an exception chain, whichever layer raised it: its lines without a traceback (that is in

@@ -2,6 +2,7 @@
 the model; SIGTERM while Ray starts is the same stop as at any other time. (SIGTERM of a real run, mid-run and
 during its start-up, is tests/test_local_run.py.)"""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -102,3 +103,20 @@ def test_sigterm_while_ray_starts_is_the_same_stop():
         assert stop.value.signame == "SIGTERM"
         assert stopping.stopping() and stopping.stop_signal() == "SIGTERM"
         assert signal.getsignal(signal.SIGTERM) is ours
+
+
+def test_a_stop_ends_with_its_scope_and_what_escapes_a_stopped_scope_is_the_stop():
+    """A stop flag left set after its run would stop the next run in the same process at its first stage (a
+    second `chatlearn.cli.main` in a notebook; here it once aborted the test session from a later test)."""
+    from chatlearn.runtime.calls import stopping
+
+    with pytest.raises(stopping.Stopped) as stop, stopping.stop_on_signals():
+        with contextlib.suppress(stopping.Stopped):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert stopping.stopping()
+        raise RuntimeError("an actor killed for the stop")  # what a stop breaks on its way out
+    assert stop.value.signame == "SIGTERM" and isinstance(stop.value.__cause__, RuntimeError)
+    assert not stopping.stopping() and stopping.stop_signal() is None
+    with pytest.raises(RuntimeError, match="not a stop"), stopping.stop_on_signals():
+        raise RuntimeError("not a stop")

@@ -91,7 +91,11 @@ def _watch(read_fd: int) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Within: SIGTERM/SIGINT stop the run as the module says. Main thread only (elsewhere: a no-op)."""
+    """Within: SIGTERM/SIGINT stop the run as the module says. Main thread only (elsewhere: a no-op).
+
+    Whatever escapes a stopped scope is the stop (`Stopped`: an actor killed for it, Prefect's wrapper around
+    it), and the stop ends with the scope: a later run in the same process (a second `chatlearn.cli.main` in a
+    notebook, the next test) starts unstopped, where a stop flag left set would stop it at its first stage."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -105,6 +109,10 @@ def stop_on_signals() -> Iterator[None]:
     watcher.start()
     try:
         yield
+    except Exception as exc:
+        if _STOP.is_set():
+            raise Stopped(stop_signal() or "SIGTERM") from exc
+        raise
     finally:
         signal.set_wakeup_fd(previous_fd)
         os.close(write_fd)
@@ -112,6 +120,8 @@ def stop_on_signals() -> Iterator[None]:
         os.close(read_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _STOP.clear()
+        _SIGNAME.clear()
 
 
 @contextlib.contextmanager
