@@ -220,6 +220,16 @@ def test_old_logprobs_from_generation_need_the_trainers_weights():
                         "models.ppo_policy.args_dict.old_logprobs=trainer") == []
 
 
+def test_current_old_logprobs_need_one_optimizer_step_per_episode():
+    # configs/grpo.yaml: 128 samples an episode, 64 a step
+    assert check_config("grpo", "models.ppo_policy.args_dict.old_logprobs=current") == [
+        "models.ppo_policy.args_dict.old_logprobs: current takes the training forward's own log-probs as the old "
+        "ones, exact only for one optimizer step per episode, but runtime.sample_per_episode 128 over "
+        "runtime.train_global_batch_size 64 times runtime.num_training_epoch 1 makes 2; use generation or trainer"]
+    assert check_config("grpo", "models.ppo_policy.args_dict.old_logprobs=current", "models.policy.sync_frequency=2",
+                        "runtime.train_global_batch_size=128", "models.policy.args_dict.temperature=0.7") == []
+
+
 def test_ppo_reward_settings_are_refused_without_a_critic():
     assert check_config("grpo", "models.reward.args_dict.kl_coef=0.05") == [
         "models.reward.args_dict.kl_coef: PPO's reward setting has no effect in the grpo engine (no critic, no GAE; "

@@ -270,3 +270,23 @@ def test_a_pair_file_missing_a_response_is_refused_with_file_and_line(tmp_path):
     with pytest.raises(DataError, match=r"pairs.jsonl:2: field 'rejected' must be a string, it is missing"):
         load_records(str(path), keys)
     assert record_keys(PolicyInference("policy"), {"prompt_key": "question"}) == ["question"]
+
+
+def test_current_old_logprobs_give_the_trainers_gradient_without_its_pass(tiny_model_dir, grpo_batch):
+    """`old_logprobs: current` (one optimizer step per episode): the ratio is exactly 1 and the gradient equals
+    the one with the trainer's own forward pass as the old log-probs, on the same weights, in two micro-batches."""
+    args = {"model_path": tiny_model_dir, "kl_coef": 0.1, "entropy_coef": 0.01, "max_grad_norm": 1e9}
+    grads, stats = [], []
+    for mode in ("trainer", "current"):
+        trainer = bound(GRPOPolicyTrainer, "ppo_policy", {**args, "old_logprobs": mode}, trainable=True)
+        batch = {**grpo_batch, "ref_logprobs": grpo_batch["logprobs"] - 0.1}
+        if mode == "trainer":
+            batch.update(trainer.forward_step(batch, 1))
+        samples = split_batch(batch)
+        trainer.optimizer.step = lambda: None  # keep the weights: compare the accumulated gradients
+        stats.append(trainer.train_step([collate_samples(samples[c], 0) for c in (slice(0, 5), slice(5, 12))], 0))
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+    assert stats[1]["clipfrac"] == 0 and stats[1]["approx_kl"] == 0  # ratio 1: nothing to clip
+    assert stats[0]["policy_loss"] == pytest.approx(stats[1]["policy_loss"], abs=1e-6)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-4)

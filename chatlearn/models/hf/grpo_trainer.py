@@ -11,6 +11,10 @@ Old log-probs (the ratio's denominator) are, by `old_logprobs`:
 * ``trainer``: this module's `forward_step` in the score stage (ChatLearn HEAD's separate forward pass),
   exact whatever the sync frequency. ``tests/test_engines_unit.py`` (per token) and ``tests/test_engine_runs.py``
   (a whole episode) check the two agree.
+* ``current``: the training forward's own log-probs, detached (TRL's on-policy shortcut). With one optimizer step
+  per episode (the config check requires it) the trainer's weights at that step are the ones ``trainer`` would
+  have scored with, so the ratio is exactly 1 and the gradient is ``trainer``'s, without its forward pass and
+  whatever the policy's sync frequency, dtype or temperature (``tests/test_engines_unit.py``).
 """
 
 from typing import Literal
@@ -34,8 +38,10 @@ class GRPOPolicyArgs(OptimArgs):
     final_clip_ratio: float = Field(3.0, gt=0, description="upper bound of the per-token loss (dual clip)")
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL to the reference (needs models.reference)")
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
-    old_logprobs: Literal["generation", "trainer"] = Field(
-        "generation", description="old log-probs from the sampler (same weights) or the trainer's own forward pass")
+    old_logprobs: Literal["generation", "trainer", "current"] = Field(
+        "generation", description="old log-probs from the sampler (same weights), the trainer's own forward pass "
+                                  "in the score stage, or the training forward's own, detached (current: one "
+                                  "optimizer step per episode)")
 
 # the loss statistics, each a mean over the micro-batch's valid tokens, weighted by its share of the tokens
 _CLIP_STATS = ("clipfrac", "pos_clipfrac", "neg_clipfrac", "final_clipfrac", "approx_kl")
@@ -71,8 +77,11 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         total = self.batch_mean.total  # the loss divides by the global batch's tokens itself; w weighs the stats
         mask = mb["response_mask"].to(self.device)
         logprobs = logprobs_from_logits(out, mb["response_ids"].to(self.device), a.temperature) * mask
-        old = mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]
-        loss, st = self.loss_fn(logprobs, old.to(self.device), mb["advantages"].to(self.device), mask,
+        if a.old_logprobs == "current":  # on-policy: the weights before this episode's only step
+            old = logprobs.detach()
+        else:
+            old = (mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]).to(self.device)
+        loss, st = self.loss_fn(logprobs, old, mb["advantages"].to(self.device), mask,
                                 pos_clip_ratio=a.pos_clip_ratio, neg_clip_ratio=a.neg_clip_ratio,
                                 diff_clip_ratio=a.diff_clip_ratio, final_clip_ratio=a.final_clip_ratio,
                                 total_tokens=total)
