@@ -112,24 +112,6 @@ def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(reference
     assert_same_as_reference(tmp_path / exp, reference_run)
 
 
-def test_a_model_process_killed_mid_episode_is_recreated_and_the_run_ends_as_undisturbed(
-        reference_run, model_dirs, tmp_path):
-    # the worker process hosting ppo_policy (the default colocates all six models in it) is SIGKILLed while
-    # episode 3 (index 2) is being scored and trained: the run recreates it, resumes from episode 2's checkpoint
-    # record (index 1) and ends with the undisturbed run's weights and rows
-    res = train(tmp_path, "killed", model_dirs, kill="ppo_policy:after_generate:2")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "died during episode 3" in res.stderr and "restart 1 of at most 3" in res.stderr, res.stderr[-3000:]
-    assert "resuming after episode 2 " in res.stderr
-    # the failed episode's noise (Prefect's tracebacks of Ray's ActorDiedError, its "Finished in state" lines)
-    # is in the run's log; the terminal has the one warning line
-    assert "Traceback" not in res.stderr and "ActorDiedError" not in res.stderr, res.stderr[-3000:]
-    assert "ActorDiedError" in (tmp_path / "killed" / "chatlearn.log").read_text()
-    assert_same_as_reference(tmp_path / "killed", reference_run)
-
-    # bounded restarts: tests/test_recovery.py
-
-
 def _kill_server_after_episodes(run_dir, episodes, server_pid):
     """A thread that SIGKILLs the Prefect server (its process group) once ``episodes`` rows are in the run's
     metrics: the server dies while the next episode runs. Returns (thread, killed pids)."""
@@ -153,37 +135,6 @@ def _kill_server_after_episodes(run_dir, episodes, server_pid):
 
 def _no_traceback(stderr):
     return "Traceback" not in stderr and "ConnectError" not in stderr and "Error logging to API" not in stderr
-
-
-def test_the_local_prefect_server_killed_mid_run_is_started_again_and_the_run_ends_as_undisturbed(
-        reference_run, model_dirs, tmp_path, monkeypatch):
-    # no PREFECT_API_URL: the command uses the local server of CHATLEARN_PREFECT_HOME. This test joins it first
-    # (as `chatlearn server` would), so that it is still up after the run to read the run back from it.
-    home = tmp_path / "prefect-home"
-    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(home))
-    url, _ = prefect_server._join_local_server(timeout=120)
-    try:
-        pid_of = lambda: json.loads((home / "server.json").read_text())["pid"]  # noqa: E731
-        killer, killed = _kill_server_after_episodes(tmp_path / "server-killed", 2, pid_of)
-        res = train(tmp_path, "server-killed", model_dirs, api_url=None, CHATLEARN_PREFECT_HOME=str(home))
-        killer.join(timeout=5)
-        assert res.returncode == 0, res.stderr[-3000:]
-        assert killed, "the server was never killed"
-        assert res.stderr.count(f"the Prefect API at {url} does not answer") == 1, res.stderr[-3000:]
-        assert f"the Prefect API at {url} answers again" in res.stderr
-        assert _no_traceback(res.stderr), res.stderr[-3000:]
-        assert_same_as_reference(tmp_path / "server-killed", reference_run)
-        # started again on the same port and database: the UI shows the run, finished, with all its episodes
-        assert pid_of() != killed[0] and prefect_server.healthy(url)
-        with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
-            train_run = [r for r in client.read_flow_runs() if r.name != "" and r.parent_task_run_id is None
-                         and r.state.name == "Completed"]
-            assert len(train_run) == 1, [(r.name, r.state.name) for r in client.read_flow_runs()]
-            table = client.read_latest_artifacts()
-            rows = [a for a in table if a.key == "server-killed-metrics"]
-            assert len(json.loads(rows[0].data)) == 4  # the metrics table caught up
-    finally:
-        prefect_server._leave_local_server()
 
 
 def test_a_prefect_api_that_stays_down_does_not_stop_the_run_nor_hold_it_at_exit(reference_run, model_dirs, tmp_path,
@@ -264,43 +215,92 @@ class RunProcesses:
             time.sleep(0.2)
 
 
-def test_the_local_rays_head_killed_mid_run_is_replaced_and_the_run_ends_as_undisturbed(
-        reference_run, model_dirs, tmp_path):
-    # the GCS server of the Ray the run started is SIGKILLed once two episodes are done, while the third runs:
-    # within a second the run ends what is left of that Ray, starts a fresh local Ray and resumes from the last
-    # checkpoint, before Ray's client would have ended the process (60 s after the GCS went), and ends with the
-    # undisturbed run's weights and rows
-    run_dir = tmp_path / "head-killed"
+def _ours(cmdline):
+    """The run's own helpers in its tree that are not Ray's: its reaper, and the Prefect server it started again."""
+    return "reaper.py" in cmdline or "prefect server start" in cmdline
+
+
+def test_a_model_process_the_prefect_server_and_the_rays_head_killed_in_one_run_end_as_undisturbed(
+        reference_run, model_dirs, tmp_path, monkeypatch):
+    """One run, three faults, each recovered by its own mechanism, and the undisturbed run's weights and rows:
+
+    1. the worker process hosting ppo_policy (the default colocates all six models in it) is SIGKILLed while
+       episode 2 is scored and trained: the run recreates it and resumes from episode 1's checkpoint record;
+    2. the local Prefect server is SIGKILLed once two episodes are done: training goes on, the run starts the
+       server again on the same port and database, and the UI catches up (the finished run, its metrics table);
+    3. the GCS server of the Ray the run started is SIGKILLed once three episodes are done: within a second the
+       run ends what is left of that Ray (nothing of it outlives it 10 s), starts a fresh local Ray and resumes
+       from the last checkpoint, before Ray's client would have ended the process (60 s after the GCS went).
+
+    No PREFECT_API_URL: the command uses the local server of CHATLEARN_PREFECT_HOME, which this test joins first
+    (as `chatlearn server` would), so that it is still up after the run to read the run back from it."""
+    exp = "disturbed"
+    run_dir = tmp_path / exp
+    home = tmp_path / "prefect-home"
+    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(home))
+    url, _ = prefect_server._join_local_server(timeout=120)
+    pid_of = lambda: json.loads((home / "server.json").read_text())["pid"]  # noqa: E731
     killed = {}
 
-    def kill_the_gcs(processes):
+    def rows_done():
+        metrics = run_dir / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    def kill_the_server_then_the_gcs(processes):
         deadline = time.monotonic() + 500
-        while time.monotonic() < deadline and not killed:
-            metrics = run_dir / "metrics.jsonl"
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+        while time.monotonic() < deadline and "gcs" not in killed:
+            if "server" not in killed and rows_done() >= 2:
+                killed["server"] = pid_of()
+                os.killpg(killed["server"], signal.SIGKILL)  # the server and its children
+            if "server" in killed and rows_done() >= 3:
                 for driver in processes.drivers():
                     tree = reaper.descendants([driver])
                     gcs = [pid for pid, _ in tree if _cmdline(pid).split(" ")[0].endswith("/gcs_server")]
                     if gcs:  # the dead Ray's raylet, agents and workers must go within seconds
-                        ray = {ident for ident in tree if ident[0] != driver and "reaper.py" not in _cmdline(ident[0])}
+                        ray = {ident for ident in tree if ident[0] != driver and not _ours(_cmdline(ident[0]))}
                         os.kill(gcs[0], signal.SIGKILL)
                         killed.update(gcs=gcs[0], left=processes.left_after(OUTLIVE_S, ray))
             time.sleep(0.2)
 
-    with RunProcesses() as processes:
-        killer = threading.Thread(target=kill_the_gcs, args=(processes,), daemon=True)
-        killer.start()
-        res = train(tmp_path, "head-killed", model_dirs)
-        killer.join(timeout=5)
-        assert killed and killed["left"] == [], res.stderr[-3000:]
-        assert processes.left_after(OUTLIVE_S, processes.take()) == []  # nor anything of the fresh one
-    assert res.returncode == 0, res.stderr[-3000:]
-    # the kill lands in episode 3, or just before episode 2's checkpoint record is committed
-    warned = re.search(r"chatlearn: warning: the head of the local Ray went away during episode (\d) \(its "
-                       rf"gcs_server, pid {killed['gcs']}, killed by SIGKILL\); starting a fresh local Ray; "
-                       r"recreating the model processes and resuming from the last checkpoint \(restart 1 of at most "
-                       r"3\)", res.stderr)
-    assert warned and warned[1] in "23", res.stderr[-3000:]
-    assert f"resuming after episode {int(warned[1]) - 1} " in res.stderr
-    assert "Traceback" not in res.stderr and "Failed to connect to GCS" not in res.stderr, res.stderr[-3000:]
-    assert_same_as_reference(run_dir, reference_run)
+    try:
+        with RunProcesses() as processes:
+            killer = threading.Thread(target=kill_the_server_then_the_gcs, args=(processes,), daemon=True)
+            killer.start()
+            res = train(tmp_path, exp, model_dirs, kill="ppo_policy:after_generate:1", api_url=None,
+                        CHATLEARN_PREFECT_HOME=str(home))
+            killer.join(timeout=5)
+            assert "gcs" in killed and killed["left"] == [], res.stderr[-3000:]
+            # nor anything of the fresh Ray; the Prefect server the run started again stays (this test joined it)
+            names = dict(processes.noted)
+            run = {ident for ident in processes.take() if "prefect server start" not in names.get(ident, "")}
+            assert processes.left_after(OUTLIVE_S, run) == []
+        assert res.returncode == 0, res.stderr[-3000:]
+        err = res.stderr
+        # 1. the model process: one warning line; Prefect's tracebacks of Ray's ActorDiedError are in the run's log
+        assert "died during episode 2" in err and "restart 1 of at most 3" in err, err[-3000:]
+        assert "resuming after episode 1 " in err
+        assert "ActorDiedError" not in err and "ActorDiedError" in (run_dir / "chatlearn.log").read_text()
+        # 2. the Prefect server: gone and back, one line each
+        assert err.count(f"the Prefect API at {url} does not answer") == 1, err[-3000:]
+        assert f"the Prefect API at {url} answers again" in err
+        # 3. the Ray head: in episode 4, or just before episode 3's checkpoint record is committed
+        warned = re.search(r"chatlearn: warning: the head of the local Ray went away during episode (\d) \(its "
+                           rf"gcs_server, pid {killed['gcs']}, killed by SIGKILL\); starting a fresh local Ray; "
+                           r"recreating the model processes and resuming from the last checkpoint \(restart 2 of at "
+                           r"most 3\)", err)
+        assert warned and warned[1] in "34", err[-3000:]
+        assert f"resuming after episode {int(warned[1]) - 1} " in err
+        assert _no_traceback(err) and "Failed to connect to GCS" not in err, err[-3000:]
+        assert_same_as_reference(run_dir, reference_run)
+        # the server was started again on the same port and database: the UI shows the run, finished, with all
+        # its episodes
+        assert pid_of() != killed["server"] and prefect_server.healthy(url)
+        with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+            train_run = [r for r in client.read_flow_runs() if r.name != "" and r.parent_task_run_id is None
+                         and r.state.name == "Completed"]
+            assert len(train_run) == 1, [(r.name, r.state.name) for r in client.read_flow_runs()]
+            table = client.read_latest_artifacts()
+            rows = [a for a in table if a.key == f"{exp}-metrics"]
+            assert len(json.loads(rows[0].data)) == 4  # the metrics table caught up
+    finally:
+        prefect_server._leave_local_server()
