@@ -228,6 +228,9 @@ def test_current_old_logprobs_need_one_optimizer_step_per_episode():
         "runtime.train_global_batch_size 64 times runtime.num_training_epoch 1 makes 2; use generation or trainer"]
     assert check_config("grpo", "models.ppo_policy.args_dict.old_logprobs=current", "models.policy.sync_frequency=2",
                         "runtime.train_global_batch_size=128", "models.policy.args_dict.temperature=0.7") == []
+    # a batch size the runtime check refuses is named there, once
+    assert check_config("grpo", "models.ppo_policy.args_dict.old_logprobs=current",
+                        "runtime.train_global_batch_size=0") == ["runtime.train_global_batch_size: must be > 0, got 0"]
 
 
 def test_ppo_reward_settings_are_refused_without_a_critic():

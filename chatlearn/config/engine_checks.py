@@ -354,6 +354,8 @@ def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
     trainer = cfg.models["ppo_policy"].args_dict or {}
     if trainer.get("old_logprobs", "generation") == "current":
         rt = cfg.runtime
+        if rt.train_global_batch_size <= 0:  # the runtime check names it
+            return []
         steps = rt.num_training_epoch * math.ceil(rt.sample_per_episode / rt.train_global_batch_size)
         if steps == 1:
             return []
