@@ -199,8 +199,9 @@ def _text_problems(value: Any, path: str) -> list[str]:
     elif isinstance(value, dict):
         found = []
         for key, item in value.items():
+            name = str(key) if str(key).strip() else repr(key)  # a blank key is still a place to name
             found += _text_problems(key, f"{path}.<key>" if path else "<key>")
-            found += _text_problems(item, f"{path}.{key}" if path else str(key))
+            found += _text_problems(item, f"{path}.{name}" if path else name)
         return found
     elif isinstance(value, list):
         return [p for i, item in enumerate(value) for p in _text_problems(item, f"{path}.{i}" if path else str(i))]
