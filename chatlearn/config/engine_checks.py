@@ -8,7 +8,6 @@ problem. Plain ``chatlearn config`` does not run them: it resolves any config Ch
 
 import contextlib
 import inspect
-import math
 import os
 import sys
 import warnings
@@ -352,18 +351,17 @@ def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
     if engine != "grpo" or not {"policy", "ppo_policy"} <= set(cfg.models):
         return []
     trainer = cfg.models["ppo_policy"].args_dict or {}
-    if trainer.get("old_logprobs", "generation") == "current":
-        rt = cfg.runtime
-        if rt.train_global_batch_size <= 0:  # the runtime check names it
-            return []
-        steps = rt.num_training_epoch * math.ceil(rt.sample_per_episode / rt.train_global_batch_size)
-        if steps == 1:
+    source, rt = trainer.get("old_logprobs", "generation"), cfg.runtime
+    if source == "current":
+        # a train_global_batch_size <= 0 is the runtime check's to name
+        if rt.train_global_batch_size <= 0 or rt.steps_per_episode == 1:
             return []
         return [f"models.ppo_policy.args_dict.old_logprobs: current takes the training forward's own log-probs as "
                 f"the old ones, exact only for one optimizer step per episode, but runtime.sample_per_episode "
                 f"{rt.sample_per_episode} over runtime.train_global_batch_size {rt.train_global_batch_size} "
-                f"times runtime.num_training_epoch {rt.num_training_epoch} makes {steps}; use generation or trainer"]
-    if trainer.get("old_logprobs", "generation") != "generation":
+                f"times runtime.num_training_epoch {rt.num_training_epoch} makes {rt.steps_per_episode}; use "
+                f"generation or trainer"]
+    if source != "generation":
         return []
     policy, problems = cfg.models["policy"].args_dict or {}, []
     why = ("old_logprobs: generation takes the sampler's log-probs as the trainer's; set old_logprobs: trainer for "

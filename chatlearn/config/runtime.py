@@ -2,6 +2,7 @@
 field, plus the runtime keys ChatLearn reads as user extras (``seed``, ``data_shuffle``, ...), declared here
 with their defaults so they are typed and documented like the rest."""
 
+import math
 import os
 from typing import Any
 
@@ -222,6 +223,11 @@ class RuntimeConfig(Section):
     def colocation_groups(self) -> list[list[str]]:
         """``colocation`` split into lists of model names."""
         return [[n.strip() for n in g.split(",") if n.strip()] for g in self.colocation]
+
+    @property
+    def steps_per_episode(self) -> int:
+        """Optimizer steps of one episode: epochs x ceil(sample_per_episode / train_global_batch_size)."""
+        return self.num_training_epoch * math.ceil(self.sample_per_episode / self.train_global_batch_size)
 
     @property
     def shuffle_seed(self) -> int | None:

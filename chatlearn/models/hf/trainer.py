@@ -60,8 +60,7 @@ def adamw(model: torch.nn.Module, args: OptimArgs) -> torch.optim.Optimizer:
 
 def total_optimizer_steps(rt: RuntimeConfig) -> int:
     """Optimizer steps of the whole run under the fixed stream: episodes x epochs x ceil(spe / global)."""
-    per_epoch = math.ceil(rt.sample_per_episode / rt.train_global_batch_size)
-    return max(1, rt.num_episode * rt.num_training_epoch * per_epoch)
+    return max(1, rt.num_episode * rt.steps_per_episode)
 
 
 def lr_factor(step: int, args: OptimArgs, total: int) -> float:
