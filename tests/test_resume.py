@@ -112,6 +112,12 @@ def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(reference
     assert_same_as_reference(tmp_path / exp, reference_run)
 
 
+def _rows_done(run_dir):
+    """How many episode rows the run has written so far."""
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
 def _kill_server_after_episodes(run_dir, episodes, server_pid):
     """A thread that SIGKILLs the Prefect server (its process group) once ``episodes`` rows are in the run's
     metrics: the server dies while the next episode runs. Returns (thread, killed pids)."""
@@ -120,8 +126,7 @@ def _kill_server_after_episodes(run_dir, episodes, server_pid):
     def kill():
         deadline = time.monotonic() + 500
         while time.monotonic() < deadline:
-            metrics = run_dir / "metrics.jsonl"
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= episodes:
+            if _rows_done(run_dir) >= episodes:
                 pid = server_pid()
                 os.killpg(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -242,17 +247,10 @@ def test_a_model_process_the_prefect_server_and_the_rays_head_killed_in_one_run_
     pid_of = lambda: json.loads((home / "server.json").read_text())["pid"]  # noqa: E731
     killed = {}
 
-    def rows_done():
-        metrics = run_dir / "metrics.jsonl"
-        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-
-    def kill_the_server_then_the_gcs(processes):
+    def kill_the_gcs(processes, server_killed):
         deadline = time.monotonic() + 500
         while time.monotonic() < deadline and "gcs" not in killed:
-            if "server" not in killed and rows_done() >= 2:
-                killed["server"] = pid_of()
-                os.killpg(killed["server"], signal.SIGKILL)  # the server and its children
-            if "server" in killed and rows_done() >= 3:
+            if server_killed and _rows_done(run_dir) >= 3:
                 for driver in processes.drivers():
                     tree = reaper.descendants([driver])
                     gcs = [pid for pid, _ in tree if _cmdline(pid).split(" ")[0].endswith("/gcs_server")]
@@ -264,10 +262,12 @@ def test_a_model_process_the_prefect_server_and_the_rays_head_killed_in_one_run_
 
     try:
         with RunProcesses() as processes:
-            killer = threading.Thread(target=kill_the_server_then_the_gcs, args=(processes,), daemon=True)
+            server_killer, server_killed = _kill_server_after_episodes(run_dir, 2, pid_of)
+            killer = threading.Thread(target=kill_the_gcs, args=(processes, server_killed), daemon=True)
             killer.start()
             res = train(tmp_path, exp, model_dirs, kill="ppo_policy:after_generate:1", api_url=None,
                         CHATLEARN_PREFECT_HOME=str(home))
+            server_killer.join(timeout=5)
             killer.join(timeout=5)
             assert "gcs" in killed and killed["left"] == [], res.stderr[-3000:]
             # nor anything of the fresh Ray; the Prefect server the run started again stays (this test joined it)
@@ -294,7 +294,7 @@ def test_a_model_process_the_prefect_server_and_the_rays_head_killed_in_one_run_
         assert_same_as_reference(run_dir, reference_run)
         # the server was started again on the same port and database: the UI shows the run, finished, with all
         # its episodes
-        assert pid_of() != killed["server"] and prefect_server.healthy(url)
+        assert pid_of() != server_killed[0] and prefect_server.healthy(url)
         with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
             train_run = [r for r in client.read_flow_runs() if r.name != "" and r.parent_task_run_id is None
                          and r.state.name == "Completed"]
