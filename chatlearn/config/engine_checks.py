@@ -74,6 +74,7 @@ class EngineChecks:
         problems += _groups(cfg, name, spec, self.modules)
         problems += _lora(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _old_logprobs(cfg, name)
+        problems += _rollout_engine(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _critic_free_reward_args(cfg, name)
         problems += _advantage_estimator(cfg, name, spec, self.modules)
         problems += _sync_frequency(cfg, spec)
@@ -342,6 +343,26 @@ def _lora(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], en
             if cls is not None and not getattr(cls, "supports_lora", False):
                 problems.append(f"models.{name}.lora.enable_lora: {cls.__name__} does not train LoRA adapters (the "
                                 "policy trainers do: ppo_policy of the rlhf, grpo, dpo and online_dpo engines)")
+    return problems
+
+
+def _rollout_engine(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
+    """``runtime.rollout_engine`` names a registered engine; the GPU engines' names are known and refused."""
+    from chatlearn.models.hf.rollout import GPU_ONLY_ROLLOUT_ENGINES, ROLLOUT_ENGINES
+
+    name = cfg.runtime.rollout_engine
+    if name in GPU_ONLY_ROLLOUT_ENGINES:
+        return [f"runtime.rollout_engine: {name!r} needs a GPU build of {GPU_ONLY_ROLLOUT_ENGINES[name]} and is "
+                f"not supported yet; use one of {sorted(ROLLOUT_ENGINES)}"]
+    if name not in ROLLOUT_ENGINES:
+        return [f"runtime.rollout_engine: {name!r} is not a rollout engine; one of {sorted(ROLLOUT_ENGINES)}"]
+    problems = []
+    for model in names:
+        pp = cfg.models[model].pipeline_model_parallel_size or 1
+        cls = _module_class(model, cfg, modules, engine)
+        if name != "hf" and pp > 1 and cls is not None and hasattr(cls, "_generate_in_stages"):
+            problems.append(f"runtime.rollout_engine: {name!r} with models.{model}.pipeline_model_parallel_size "
+                            f"{pp} is not supported yet (pipeline stages generate with 'hf')")
     return problems
 
 

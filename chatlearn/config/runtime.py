@@ -132,6 +132,13 @@ class RuntimeConfig(Section):
     engine: str = Field(
         default="rlhf", description="the engine `chatlearn train` builds when the config names none in code"
     )
+    rollout_engine: str = Field(
+        default="hf",
+        description="generation backend of the inference policy (ChatLearn HEAD's key): 'hf', one Hugging Face "
+        "generate per batch (every row runs until the batch's longest response ends); 'continuous', continuous "
+        "batching (a finished response frees its slot for the next prompt: policy args_dict.max_num_seqs); "
+        "'vllm' and 'sglang' need a GPU build and are not supported yet",
+    )
     data_shuffle: bool = Field(
         default=True,
         description="shuffle the prompts in each pass over the dataset, seeded by (seed, pass) "

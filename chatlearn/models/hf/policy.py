@@ -12,6 +12,9 @@ from chatlearn.models.hf.common import (
     load_tokenizer,
     response_logprobs,
 )
+from chatlearn.models.hf.rollout import ROLLOUT_ENGINES, PerSampleSampler, Request, hf_generate
+
+__all__ = ["PerSampleSampler", "PolicyArgs", "PolicyInference", "response_mask_from_eos"]
 
 
 class PolicyArgs(HFModelArgs):
@@ -29,71 +32,14 @@ class PolicyArgs(HFModelArgs):
     num_inference_per_prompt: int = Field(
         1, ge=1, description="responses sampled per prompt, kept together as a group (GRPO, online DPO); "
         "sample_per_episode and generation_batch_size count responses")
+    max_num_seqs: int = Field(
+        256, gt=0, description="rollout_engine: continuous: the most sequences that decode at once (vLLM's "
+        "name); the prompts of a generation batch wait for a free slot beyond it")
 
     @field_validator("top_k")
     @classmethod
     def _vllm_off(cls, value: int) -> int:
         return 0 if value == -1 else value  # vLLM's "off" is Hugging Face's 0
-
-
-class PerSampleSampler:
-    """A logits processor that makes greedy decoding sample, with one random stream per sample.
-
-    Gumbel-max: argmax(logits / T + Gumbel noise) is an exact draw from softmax(logits / T). The noise of row
-    i at step t (the t-th response token) comes from a generator seeded by (seed, sample_id[i], t), so a
-    sample's response does not depend on which batch, batch size or replica generated it, nor on how much the
-    batch padded its prompt; a resumed run and a run with another `generation_batch_size` draw the same
-    responses. `prompt_width` is the batch's padded prompt length (where the response starts in `input_ids`).
-
-    It also keeps the sampled tokens' log-probs, log_softmax(logits / T) over the whole vocabulary (what the
-    trainers compute: no top-k/top-p, no EOS ban), so generation needs no second forward pass for them
-    (`logprobs()`). That needs the model's own logits: `min_new_tokens` is applied here, after they are read,
-    not by Hugging Face's processor (which would run before this one and hide EOS's logit).
-    """
-
-    def __init__(self, seed: int, sample_ids: list[int], temperature: float, top_k: int, top_p: float,
-                 prompt_width: int = 0, min_new_tokens: int = 0, eos_token_id: int | None = None):
-        self.seed, self.sample_ids = seed, list(sample_ids)
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.prompt_width = prompt_width
-        self.min_new_tokens, self.eos_token_id = min_new_tokens, eos_token_id
-        self._logprobs: list[torch.Tensor] = []
-
-    def logprobs(self, length: int) -> torch.Tensor:
-        """[B, length] log-probs of the tokens drawn at the first `length` steps (rows that had finished hold
-        the log-prob of a token generation replaced by padding: masked downstream)."""
-        if length > len(self._logprobs):
-            raise RuntimeError(f"the sampler saw {len(self._logprobs)} steps, not {length}")
-        if length == 0:
-            return torch.zeros(len(self.sample_ids), 0)
-        return torch.stack(self._logprobs[:length], 1)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        step = input_ids.shape[1] - self.prompt_width
-        scores = scores.float() / self.temperature
-        full = scores.log_softmax(-1)
-        if self.eos_token_id is not None and step < self.min_new_tokens:
-            scores = scores.clone()
-            scores[:, self.eos_token_id] = float("-inf")
-        vocab = scores.shape[-1]
-        if 0 < self.top_k < vocab:
-            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if self.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-            cum = sorted_scores.softmax(-1).cumsum(-1)
-            drop = cum - sorted_scores.softmax(-1) >= self.top_p  # keep the smallest prefix reaching top_p
-            scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        noise = torch.empty_like(scores)
-        for row, sid in enumerate(self.sample_ids):
-            gen = torch.Generator(device="cpu").manual_seed((self.seed * 1_000_003 + sid) * 65_537 + step)
-            u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
-            noise[row] = (-torch.log(-torch.log(u))).to(noise.device, noise.dtype)
-        out = scores + noise
-        # greedy decoding takes the argmax of what this returns: that token's log-prob, unbanned and unclipped
-        if len(self._logprobs) == step:
-            self._logprobs.append(full.gather(-1, out.argmax(-1, keepdim=True)).squeeze(-1).cpu())
-        return out
 
 
 def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -133,34 +79,20 @@ class PolicyInference(HFModule):
 
     @torch.no_grad()
     def _generate(self, data: dict, do_sample: bool, seed: int) -> dict:
+        """Responses to the batch's prompts from the rollout engine (`runtime.rollout_engine`), with the
+        sampled tokens' log-probs when the per-sample sampler drew them."""
         torch.manual_seed(seed)
-        prompt_ids = data["prompt_ids"].to(self.device)
-        prompt_mask = data["prompt_mask"].to(self.device)
-        sampler = None
-        min_new_tokens = self.args.min_new_tokens
-        if do_sample and data.get("sample_id") is not None:
-            sampler = PerSampleSampler(self.seed, data["sample_id"], self.args.temperature, self.args.top_k,
-                                       self.args.top_p, prompt_width=prompt_ids.shape[1],
-                                       min_new_tokens=min_new_tokens, eos_token_id=self.tokenizer.eos_token_id)
-            kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
-            min_new_tokens = 0  # the sampler bans EOS itself, after reading its logit
-        elif do_sample:
-            kwargs = dict(do_sample=True, temperature=self.args.temperature, top_k=self.args.top_k,
-                          top_p=self.args.top_p)
+        req = Request(
+            prompt_ids=data["prompt_ids"].to(self.device), prompt_mask=data["prompt_mask"].to(self.device),
+            max_new_tokens=self.args.max_new_tokens, min_new_tokens=self.args.min_new_tokens,
+            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            do_sample=do_sample, sample_ids=data.get("sample_id"), seed=self.seed,
+            temperature=self.args.temperature, top_k=self.args.top_k, top_p=self.args.top_p,
+            max_num_seqs=self.args.max_num_seqs)
+        if self.pipelined:  # the config check allows only hf here: its loop runs through the stages
+            response_ids, logprobs = hf_generate(self.model, req, generate=self._generate_in_stages)
         else:
-            kwargs = dict(do_sample=False)
-        generate = self._generate_in_stages if self.pipelined else self.model.generate
-        out = generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            max_new_tokens=self.args.max_new_tokens,
-            min_new_tokens=min_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            use_cache=True,
-            **kwargs,
-        ).cpu()
-        response_ids = out[:, prompt_ids.shape[1] :]
+            response_ids, logprobs = ROLLOUT_ENGINES[self.runtime_args.rollout_engine](self.model, req)
         mask = response_mask_from_eos(response_ids, self.tokenizer.eos_token_id)
         pad = torch.full_like(response_ids, self.tokenizer.pad_token_id)
         response_ids = torch.where(mask.bool(), response_ids, pad)
@@ -169,8 +101,8 @@ class PolicyInference(HFModule):
             for ids, m in zip(response_ids, mask, strict=True)
         ]
         out = {**data, "response_ids": response_ids, "response_mask": mask, "response": texts}
-        if sampler is not None:
-            out["logprobs"] = sampler.logprobs(response_ids.shape[1]) * mask
+        if logprobs is not None:
+            out["logprobs"] = logprobs * mask
         return out
 
     @torch.no_grad()

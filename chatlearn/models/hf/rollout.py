@@ -1,0 +1,334 @@
+"""Rollout engines: how the inference policy turns a batch of prompts into responses (`runtime.rollout_engine`).
+
+An engine is registered by name and called as ``engine(model, request) -> (response_ids, logprobs)``:
+
+* ``hf``: one Hugging Face ``generate`` over the batch. Every row runs until the longest response ends (a
+  finished row keeps computing padding), so a batch with one long response pays for it in every row.
+* ``continuous``: continuous batching on the dense KV cache. At most ``max_num_seqs`` sequences decode at
+  once; a sequence that ends leaves the batch at once (its cache rows are dropped) and a waiting prompt takes
+  its slot (prefilled, then left-padded into the running cache). Decode steps cost what the live rows cost.
+
+Both draw tokens with the same per-sample sampler (:func:`draw`): the noise of a token depends on the run
+seed, the sample id and the token's index in its response only, so a sample gets the same response whatever
+engine, batch or slot it ran in (up to the last bits of the logits, which depend on the batch's shapes).
+Both return the sampled tokens' log-probs, read from the model's logits as the tokens are drawn.
+
+``vllm`` and ``sglang`` (ChatLearn's GPU engines) are known names that the config check refuses: they need a
+GPU build and are not supported yet; an engine for them plugs in here with :func:`register_rollout_engine`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+ROLLOUT_ENGINES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}
+# accepted names whose engine needs a GPU build: refused by the config check with this reason
+GPU_ONLY_ROLLOUT_ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
+def register_rollout_engine(name: str) -> Callable:
+    def decorator(fn: Callable) -> Callable:
+        if ROLLOUT_ENGINES.get(name, fn) is not fn:
+            raise ValueError(f"rollout engine {name!r} is already registered")
+        ROLLOUT_ENGINES[name] = fn
+        return fn
+    return decorator
+
+
+@dataclass
+class Request:
+    """One generate call: left-padded prompts, and how to pick tokens.
+
+    ``sample_ids`` set and ``do_sample``: the per-sample sampler draws (seeded by ``seed``). ``do_sample``
+    without sample ids: Hugging Face's own sampling (``hf`` only). Otherwise greedy."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    max_new_tokens: int
+    min_new_tokens: int
+    eos_token_id: int
+    pad_token_id: int
+    do_sample: bool = False
+    sample_ids: list[int] | None = None
+    seed: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_num_seqs: int = 256
+
+
+def perturb(scores: torch.Tensor, seed: int, sample_ids: list[int], steps: list[int], temperature: float,
+            top_k: int, top_p: float, min_new_tokens: int, eos_token_id: int | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-sample sampler's scores and the full log-softmax for rows at response steps ``steps``.
+
+    Gumbel-max: argmax(logits / T + Gumbel noise) is an exact draw from softmax(logits / T) (after top-k/top-p
+    and the EOS ban before ``min_new_tokens``). The noise of row i comes from a generator seeded by
+    (seed, sample_ids[i], steps[i]). The log-softmax is over the whole vocabulary (no top-k/top-p, no EOS ban):
+    what the trainers compute, so the drawn token's entry is the log-prob the trainer will see."""
+    scores = scores.float() / temperature
+    full = scores.log_softmax(-1)
+    if eos_token_id is not None and min_new_tokens:
+        banned = torch.tensor([s < min_new_tokens for s in steps], device=scores.device)
+        if banned.any():
+            scores = scores.clone()
+            scores[banned, eos_token_id] = float("-inf")
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum - sorted_scores.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    noise = torch.empty_like(scores)
+    for row, (sid, step) in enumerate(zip(sample_ids, steps, strict=True)):
+        gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + sid) * 65_537 + step)
+        u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+        noise[row] = (-torch.log(-torch.log(u))).to(noise.device, noise.dtype)
+    return scores + noise, full
+
+
+class PerSampleSampler:
+    """:func:`perturb` as a Hugging Face logits processor (greedy decoding of what it returns samples), for
+    ``generate``, where every row is at the same step. `prompt_width` is the batch's padded prompt length
+    (where the response starts in `input_ids`). It keeps the drawn tokens' log-probs (`logprobs()`). It needs
+    the model's own logits: `min_new_tokens` is applied here, after they are read, not by Hugging Face's
+    processor (which would run before this one and hide EOS's logit)."""
+
+    def __init__(self, seed: int, sample_ids: list[int], temperature: float, top_k: int, top_p: float,
+                 prompt_width: int = 0, min_new_tokens: int = 0, eos_token_id: int | None = None):
+        self.seed, self.sample_ids = seed, list(sample_ids)
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.prompt_width = prompt_width
+        self.min_new_tokens, self.eos_token_id = min_new_tokens, eos_token_id
+        self._logprobs: list[torch.Tensor] = []
+
+    def logprobs(self, length: int) -> torch.Tensor:
+        """[B, length] log-probs of the tokens drawn at the first `length` steps (rows that had finished hold
+        the log-prob of a token generation replaced by padding: masked downstream)."""
+        if length > len(self._logprobs):
+            raise RuntimeError(f"the sampler saw {len(self._logprobs)} steps, not {length}")
+        if length == 0:
+            return torch.zeros(len(self.sample_ids), 0)
+        return torch.stack(self._logprobs[:length], 1)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_width
+        out, full = perturb(scores, self.seed, self.sample_ids, [step] * len(self.sample_ids), self.temperature,
+                            self.top_k, self.top_p, self.min_new_tokens, self.eos_token_id)
+        # greedy decoding takes the argmax of what this returns: that token's log-prob, unbanned and unclipped
+        if len(self._logprobs) == step:
+            self._logprobs.append(full.gather(-1, out.argmax(-1, keepdim=True)).squeeze(-1).cpu())
+        return out
+
+
+@register_rollout_engine("hf")
+def hf_generate(model, req: Request, generate: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Hugging Face ``generate`` over the whole batch (``generate``: another function called like it, e.g.
+    the pipeline stages' loop). Returns the response ids [B, R] (R: the longest response; padding after EOS
+    is whatever generate wrote) and the sampled tokens' log-probs (None when not sampled per sample)."""
+    sampler = None
+    min_new_tokens = req.min_new_tokens
+    if req.do_sample and req.sample_ids is not None:
+        sampler = PerSampleSampler(req.seed, req.sample_ids, req.temperature, req.top_k, req.top_p,
+                                   prompt_width=req.prompt_ids.shape[1], min_new_tokens=min_new_tokens,
+                                   eos_token_id=req.eos_token_id)
+        kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
+        min_new_tokens = 0  # the sampler bans EOS itself, after reading its logit
+    elif req.do_sample:
+        kwargs = dict(do_sample=True, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+    else:
+        kwargs = dict(do_sample=False)
+    out = (generate or model.generate)(
+        input_ids=req.prompt_ids, attention_mask=req.prompt_mask, max_new_tokens=req.max_new_tokens,
+        min_new_tokens=min_new_tokens, pad_token_id=req.pad_token_id, eos_token_id=req.eos_token_id,
+        use_cache=True, **kwargs,
+    ).cpu()
+    response_ids = out[:, req.prompt_ids.shape[1]:]
+    return response_ids, None if sampler is None else sampler.logprobs(response_ids.shape[1])
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's KV cache as fixed slots: buffers [slots, heads, capacity, dim], row r holding ``lens[r]``
+    tokens from column 0. A decode step writes each row's new key at its own column (no copy of the cache,
+    which ``DynamicLayer`` makes every step by concatenating) and returns the columns up to the longest row;
+    the attention mask hides each row's columns past its own length."""
+
+    is_sliding = False
+
+    def __init__(self, slots: "_Slots") -> None:
+        super().__init__()
+        self.slots = slots
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        shape = (self.slots.size, key_states.shape[1], self.slots.capacity, key_states.shape[3])
+        # empty, not zeros: columns past a row's length are never attended to
+        self.keys = key_states.new_empty(shape)
+        self.values = value_states.new_empty(shape[:3] + (value_states.shape[3],))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[0]
+        rows, cols = torch.arange(n), self.slots.lens[:n]
+        self.keys[rows, :, cols] = key_states[:, :, 0]
+        self.values[rows, :, cols] = value_states[:, :, 0]
+        width = int(cols.max()) + 1
+        return self.keys[:n, :, :width], self.values[:n, :, :width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        n = self.slots.live
+        return int(self.slots.lens[:n].max()) if n else 0
+
+    def get_max_length(self) -> int:
+        return self.slots.capacity
+
+
+class _Slots:
+    """The sequences decoding now: rows 0..live-1 of every layer's slot buffers, the request index of each
+    row, its length in the cache and the token it feeds next. A finished row's slot is filled by moving the
+    last rows into it, so the live rows stay a prefix (one row's copy per finished sequence)."""
+
+    def __init__(self, model, size: int, capacity: int) -> None:
+        if any(t != "full_attention" for t in getattr(model.config, "layer_types", None) or ()):
+            raise NotImplementedError("rollout_engine: continuous supports full-attention layers only (this "
+                                      f"model has {sorted(set(model.config.layer_types))}); use rollout_engine: hf")
+        self.size, self.capacity = size, capacity
+        self.lens = torch.zeros(size, dtype=torch.long)
+        self.index: list[int] = []
+        self.next = torch.zeros(size, dtype=torch.long)
+        self.layers = [_SlotLayer(self) for _ in range(model.config.num_hidden_layers)]
+        self.cache = Cache(layers=self.layers)
+
+    @property
+    def live(self) -> int:
+        return len(self.index)
+
+    def add(self, prefill: DynamicCache, width: int, rows: list[int], lengths: list[int], index: list[int],
+            nxt: torch.Tensor) -> None:
+        """Take rows ``rows`` of a prefill (prompts left-padded to ``width``; ``lengths`` of them real tokens)
+        into the next free slots."""
+        base = self.live
+        for mine, new in zip(self.layers, prefill.layers, strict=True):
+            if not mine.is_initialized:
+                mine.lazy_initialization(new.keys, new.values)
+            for slot, (r, length) in enumerate(zip(rows, lengths, strict=True), base):
+                mine.keys[slot, :, :length] = new.keys[r, :, width - length:]
+                mine.values[slot, :, :length] = new.values[r, :, width - length:]
+        self.lens[base:base + len(rows)] = torch.tensor(lengths, dtype=torch.long)
+        self.next[base:base + len(index)] = nxt
+        self.index += index
+
+    def drop(self, done: list[int]) -> None:
+        """Free the rows in ``done``: the live rows after the new end move into the freed rows below it."""
+        if not done:
+            return
+        keep = self.live - len(done)
+        gone = set(done)
+        holes = [r for r in done if r < keep]
+        movers = [r for r in range(keep, self.live) if r not in gone]
+        if holes:
+            dst, src = torch.tensor(holes), torch.tensor(movers)
+            width = int(self.lens[src].max())
+            for layer in self.layers:
+                layer.keys[dst, :, :width] = layer.keys[src, :, :width]
+                layer.values[dst, :, :width] = layer.values[src, :, :width]
+            self.lens[dst], self.next[dst] = self.lens[src], self.next[src]
+            for h, m in zip(holes, movers, strict=True):
+                self.index[h] = self.index[m]
+        del self.index[keep:]
+
+
+@register_rollout_engine("continuous")
+@torch.no_grad()
+def continuous_batching(model, req: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Continuous batching: at most ``req.max_num_seqs`` sequences decode together; a finished one leaves and
+    a waiting prompt is prefilled into its slot. Returns what :func:`hf_generate` returns, padded with
+    ``pad_token_id`` after each response (log-probs 0 there). Sampling without sample ids draws with the
+    per-sample sampler on the rows' positions in the batch."""
+    device = req.prompt_ids.device
+    n = req.prompt_ids.shape[0]
+    sample = req.do_sample
+    sample_ids = list(req.sample_ids) if req.sample_ids is not None else list(range(n))
+    prompts = [row[m.bool()] for row, m in zip(req.prompt_ids, req.prompt_mask, strict=True)]
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    logps: list[list[float]] = [[] for _ in range(n)]
+    waiting = list(range(n))
+    size = max(1, min(req.max_num_seqs, n))
+    slots = _Slots(model, size, max(len(p) for p in prompts) + req.max_new_tokens)
+    # prefill a group of waiting prompts once this many slots are free (or nothing else is decoding): a
+    # prefill per freed sequence would pay a forward's fixed cost almost every step
+    refill = max(1, size // 8)
+
+    def pick(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        steps = [len(tokens[i]) for i in rows]
+        if sample:
+            out, full = perturb(logits, req.seed, [sample_ids[i] for i in rows], steps, req.temperature,
+                                req.top_k, req.top_p, req.min_new_tokens, req.eos_token_id)
+            nxt = out.argmax(-1)
+            return nxt, full.gather(-1, nxt[:, None]).squeeze(-1)
+        logits = logits.float()
+        banned = torch.tensor([s < req.min_new_tokens for s in steps], device=logits.device)
+        if banned.any():
+            logits[banned, req.eos_token_id] = float("-inf")
+        return logits.argmax(-1), None
+
+    def record(rows: list[int], nxt: torch.Tensor, lp: torch.Tensor | None) -> list[int]:
+        """Append each row's token; returns the positions (in ``rows``) of the sequences that ended."""
+        ended = []
+        lps = lp.tolist() if lp is not None else None
+        for pos, (i, tok) in enumerate(zip(rows, nxt.tolist(), strict=True)):
+            tokens[i].append(tok)
+            if lps is not None:
+                logps[i].append(lps[pos])
+            if tok == req.eos_token_id or len(tokens[i]) >= req.max_new_tokens:
+                ended.append(pos)
+        return ended
+
+    while waiting or slots.live:
+        free = size - slots.live
+        if waiting and (free >= min(refill, len(waiting)) or not slots.live):
+            group, waiting = waiting[:free], waiting[free:]
+            lengths = [len(prompts[i]) for i in group]
+            width = max(lengths)
+            ids = torch.full((len(group), width), req.pad_token_id, dtype=torch.long, device=device)
+            mask = torch.zeros((len(group), width), dtype=torch.long, device=device)
+            for r, i in enumerate(group):
+                ids[r, width - lengths[r]:] = prompts[i]
+                mask[r, width - lengths[r]:] = 1
+            out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+            nxt, lp = pick(out.logits[:, -1, :], group)
+            ended = set(record(group, nxt, lp))
+            going = [r for r in range(len(group)) if r not in ended]
+            slots.add(out.cache, width, going, [lengths[r] for r in going], [group[r] for r in going],
+                      nxt[going].cpu())
+            continue
+        # one decode step for every live sequence
+        live = slots.live
+        lens = slots.lens[:live]
+        mask = (torch.arange(int(lens.max()) + 1) <= lens[:, None]).long()
+        out = model(input_ids=slots.next[:live, None].to(device), attention_mask=mask.to(device),
+                    position_ids=lens[:, None].to(device), cache=slots.cache, use_cache=True)
+        slots.lens[:live] += 1
+        rows = list(slots.index)
+        nxt, lp = pick(out.logits[:, -1, :], rows)
+        slots.next[:live] = nxt.cpu()
+        slots.drop(record(rows, nxt, lp))
+
+    width = max(len(t) for t in tokens)
+    response = torch.full((n, width), req.pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros(n, width)
+    for i in range(n):
+        response[i, : len(tokens[i])] = torch.tensor(tokens[i], dtype=torch.long)
+        if sample:
+            logprobs[i, : len(logps[i])] = torch.tensor(logps[i])
+    return response, logprobs if sample else None

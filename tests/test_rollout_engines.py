@@ -1,0 +1,117 @@
+"""Rollout engines (`runtime.rollout_engine`): continuous batching draws what one `generate` per batch draws.
+
+The models are the embedded tiny Llama and a tiny Qwen2 with tied embeddings and GQA; a forward hook raises
+EOS's logit so responses end at many different lengths (what continuous batching is for).
+"""
+
+import pytest
+import torch
+
+from chatlearn.config import ConfigError, EngineChecks, load_config
+from chatlearn.models.hf.common import load_causal_lm, load_tokenizer
+from chatlearn.models.hf.policy import PolicyInference, response_mask_from_eos
+from chatlearn.models.hf.rollout import ROLLOUT_ENGINES, Request
+from chatlearn.tasks.max_digit import make_records
+from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
+from tests.conftest import REPO
+
+DEFAULT = f"{REPO}/configs/default.yaml"
+
+
+def eos_biased(path: str, bias: float):
+    model = load_causal_lm(path).eval()
+    tok = load_tokenizer(path)
+    lift = torch.zeros(model.config.vocab_size)
+    lift[tok.eos_token_id] = bias
+    model.lm_head.register_forward_hook(lambda _m, _i, out: out + lift)
+    return model, tok
+
+
+def make_request(tok, n: int, **kw) -> Request:
+    records = make_records(n, seed=11)
+    enc = tok([r["prompt"][: 3 + 5 * (i % 4)] for i, r in enumerate(records)], padding=True, return_tensors="pt")
+    return Request(prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"], max_new_tokens=24,
+                   min_new_tokens=kw.pop("min_new_tokens", 0), eos_token_id=tok.eos_token_id,
+                   pad_token_id=tok.pad_token_id, **kw)
+
+
+def masked(response_ids: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = response_mask_from_eos(response_ids, eos)
+    return torch.where(mask.bool(), response_ids, -1), mask
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2_tied_gqa"])
+def biased(request, tiny_model_dir, tiny_qwen2_dir):
+    path = tiny_model_dir if request.param == "llama" else tiny_qwen2_dir
+    return eos_biased(path, 4.0)
+
+
+@pytest.mark.parametrize("slots", [3, 64])
+def test_continuous_batching_draws_the_same_tokens_and_logprobs_as_one_generate(biased, slots):
+    model, tok = biased
+    req = make_request(tok, 12, do_sample=True, sample_ids=list(range(40, 52)), seed=5, max_num_seqs=slots)
+    with torch.no_grad():
+        hf_ids, hf_lp = ROLLOUT_ENGINES["hf"](model, req)
+        cb_ids, cb_lp = ROLLOUT_ENGINES["continuous"](model, req)
+    hf_tokens, mask = masked(hf_ids, tok.eos_token_id)
+    cb_tokens, cb_mask = masked(cb_ids, tok.eos_token_id)
+    lengths = mask.sum(-1)
+    assert len(set(lengths.tolist())) >= 4 and lengths.min() < 24  # the work continuous batching is for
+    assert torch.equal(cb_tokens, hf_tokens) and torch.equal(cb_mask, mask)
+    assert (cb_lp * (1 - cb_mask) == 0).all()
+    torch.testing.assert_close(cb_lp * mask, hf_lp * mask, atol=1e-5, rtol=0)
+
+
+def test_greedy_and_min_new_tokens_are_honoured_alike(biased):
+    model, tok = biased
+    req = make_request(tok, 9, min_new_tokens=5, max_num_seqs=4)
+    with torch.no_grad():
+        hf_ids, hf_lp = ROLLOUT_ENGINES["hf"](model, req)
+        cb_ids, cb_lp = ROLLOUT_ENGINES["continuous"](model, req)
+    assert hf_lp is None and cb_lp is None
+    hf_tokens, mask = masked(hf_ids, tok.eos_token_id)
+    assert torch.equal(masked(cb_ids, tok.eos_token_id)[0], hf_tokens)
+    assert (mask.sum(-1) >= 5).all() and (mask.sum(-1) < 24).any()
+
+
+def test_the_policy_generates_the_same_samples_with_either_engine(tiny_model_dir):
+    outs = {}
+    for engine in ("hf", "continuous"):
+        policy = PolicyInference("policy")
+        policy.bind(ModelConfig(num_cpu=1, args_dict={"model_path": tiny_model_dir, "max_new_tokens": 6,
+                                                       "max_num_seqs": 2}),
+                    RuntimeConfig(rollout_engine=engine), 0, seed=7)
+        policy.setup()
+        batch = policy.collate_fn(policy.build_dataset(make_records(5, seed=3)))
+        batch["sample_id"] = [7, 8, 9, 10, 11]
+        outs[engine] = policy.forward_step(batch, iteration=2)
+    hf, cb = outs["hf"], outs["continuous"]
+    assert cb["response"] == hf["response"]
+    assert torch.equal(cb["response_ids"], hf["response_ids"]) and torch.equal(cb["response_mask"], hf["response_mask"])
+    torch.testing.assert_close(cb["logprobs"], hf["logprobs"], atol=1e-5, rtol=0)
+
+
+def engine_problems(*overrides: str) -> list[str]:
+    try:
+        load_config(DEFAULT, overrides, [EngineChecks()])
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def test_gpu_engines_are_known_names_refused_and_a_typo_lists_the_engines():
+    assert engine_problems("runtime.rollout_engine=continuous") == []
+    assert engine_problems("runtime.rollout_engine=vllm") == [
+        "runtime.rollout_engine: 'vllm' needs a GPU build of vLLM and is not supported yet; use one of "
+        "['continuous', 'hf']"]
+    assert engine_problems("runtime.rollout_engine=sglang")[0].startswith(
+        "runtime.rollout_engine: 'sglang' needs a GPU build of SGLang")
+    assert engine_problems("runtime.rollout_engine=contineous") == [
+        "runtime.rollout_engine: 'contineous' is not a rollout engine; one of ['continuous', 'hf']"]
+
+
+def test_pipeline_stages_generate_with_hf_only():
+    problems = engine_problems("runtime.rollout_engine=continuous", "models.policy.num_cpu=2",
+                               "models.policy.cpu_per_process=2", "models.policy.pipeline_model_parallel_size=2")
+    assert problems == ["runtime.rollout_engine: 'continuous' with models.policy.pipeline_model_parallel_size 2 "
+                        "is not supported yet (pipeline stages generate with 'hf')"]
