@@ -182,6 +182,8 @@ def _check_model(
             problems.append(f"{pre}.lora.lora_dim: must be >= 1, got {m.lora.lora_dim}")
         if not 0.0 <= m.lora.lora_dropout < 1.0:
             problems.append(f"{pre}.lora.lora_dropout: must be in [0, 1), got {m.lora.lora_dropout}")
+    if m.max_token_in_packing < 1 and parsed("max_token_in_packing"):
+        problems.append(f"{pre}.max_token_in_packing: must be >= 1, got {m.max_token_in_packing}")
     if parsed("batch_generation") and m.batch_generation.min_prompt_length < 0:
         problems.append(
             f"{pre}.batch_generation.min_prompt_length: must be >= 0, "

@@ -73,6 +73,7 @@ class EngineChecks:
         problems += _layout(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _groups(cfg, name, spec, self.modules)
         problems += _lora(cfg, [r for r in roles if r in cfg.models], self.modules, name)
+        problems += _packing(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _old_logprobs(cfg, name)
         problems += _rollout_engine(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _critic_free_reward_args(cfg, name)
@@ -363,6 +364,27 @@ def _rollout_engine(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str
         if name != "hf" and pp > 1 and cls is not None and hasattr(cls, "_generate_in_stages"):
             problems.append(f"runtime.rollout_engine: {name!r} with models.{model}.pipeline_model_parallel_size "
                             f"{pp} is not supported yet (pipeline stages generate with 'hf')")
+    return problems
+
+
+def _packing(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
+    """``packing`` needs a module that runs packed forwards (``supports_packing``) in a layout that can: never
+    accepted and ignored (the run would be the padded one, at the padded cost, with packing reported on)."""
+    problems = []
+    for name in names:
+        m = cfg.models[name]
+        if not m.packing:
+            continue
+        cls = _module_class(name, cfg, modules, engine)
+        if cls is None:
+            continue  # reported by _module_args
+        if not getattr(cls, "supports_packing", False):
+            problems.append(f"models.{name}.packing: true is not supported yet by {cls.__name__} (the reference, "
+                            f"value, PPO/GRPO/DPO trainers and the DPO pair reference pack); leave it at false")
+        elif (m.pipeline_model_parallel_size or 1) > 1:
+            problems.append(f"models.{name}.packing: true is not supported yet with pipeline_model_parallel_size="
+                            f"{m.pipeline_model_parallel_size} (the 1F1B schedule runs padded micro-batches of one "
+                            f"shape); leave packing at false, or use tensor_model_parallel_size or zero_size")
     return problems
 
 

@@ -143,6 +143,18 @@ class ModelConfig(Section):
     args_dict: dict[str, Any] = Field(
         default_factory=dict, description="[optional] placeholder for other args (backend hyper-parameters)"
     )
+    packing: bool = Field(
+        default=False,
+        description="[optional] padding-free forwards: score and train on packed sequences (each sequence's real "
+        "tokens one after another in one row, its own position ids, attention that cannot cross sequences), "
+        "with training micro-batches cut by tokens (max_token_in_packing) instead of train_micro_batch_size; "
+        "the step's loss normalisation is unchanged. Modules and layouts that cannot pack refuse it.",
+    )
+    max_token_in_packing: int = Field(
+        default=32768,
+        description="[optional] with packing: the most tokens (prompt + response, real tokens only) one packed "
+        "micro-batch or scoring forward holds; a longer single sample runs alone.",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="lora config")
     batch_generation: BatchGenerationConfig = Field(
         default_factory=BatchGenerationConfig, description="batch generation config"
