@@ -2,17 +2,23 @@
 
 Prompts are left-padded and responses right-padded (see `chatlearn.data.batch`). Position ids are derived
 from the attention mask so a padded prompt sees the same positions it would unpadded, in generation and in
-scoring alike; otherwise the trainer's log-probs would not match the sampler's.
+scoring alike; otherwise the trainer's log-probs would not match the sampler's. With ``models.<name>.packing``
+the same forwards run padding-free (:mod:`chatlearn.models.hf.packing`) and give the losses the same [B, R]
+per-token values (:class:`ResponseTokens`).
 """
 
 import os
+from collections.abc import Sequence
+from typing import ClassVar, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chatlearn.algorithms import logprobs_from_logits
+from chatlearn.algorithms.grpo import entropy_from_logits
 from chatlearn.config import ModelConfig
+from chatlearn.models.hf.packing import Packed, pack, row_chunks, rows, use_packed_attention
 from chatlearn.models.hf.tiny import TinyModelSpec, ensure_tiny_model
 from chatlearn.models.torch_module import TorchModule
 
@@ -95,9 +101,56 @@ def logprobs_of(logits: torch.Tensor, batch: dict, device: torch.device, tempera
     return lp * batch["response_mask"].to(device)
 
 
-def response_logprobs(model, batch: dict, device: torch.device, temperature: float = 1.0):
-    """Log-probs [B, R] of the response tokens under `model` (0 at padding)."""
-    return logprobs_of(response_logits(model, batch, device), batch, device, temperature)
+class ResponseTokens(NamedTuple):
+    """What a loss reads of a forward pass: per response token, [B, R], 0 at padding. ``entropy`` (of
+    ``softmax(logits / temperature)``) only when asked for. Padded or packed, the losses see the same."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+def tokens_of(logits: torch.Tensor, batch: dict, device: torch.device, temperature: float = 1.0,
+              entropy: bool = False) -> ResponseTokens:
+    """:class:`ResponseTokens` from the logits [B, R, V] that predict the response tokens (the padded path)."""
+    ent = None
+    if entropy:
+        ent = entropy_from_logits(logits.float() / temperature) * batch["response_mask"].to(device)
+    return ResponseTokens(logprobs_of(logits, batch, device, temperature), ent)
+
+
+def packed_tokens_of(model, views: Sequence[dict], device: torch.device, temperature: float = 1.0,
+                     entropy: bool = False) -> list[ResponseTokens]:
+    """:class:`ResponseTokens` of each view (a batch; DPO's chosen and rejected sides) from ONE forward over
+    their sequences packed into a row (:mod:`chatlearn.models.hf.packing`): no pad token is computed, and the
+    LM head runs on the N response-predicting positions only ([N, V] logits, never [B, R, V])."""
+    p = pack(views, device)
+    logits = model(input_ids=p.input_ids, position_ids=p.position_ids, logits_to_keep=p.keep,
+                   use_cache=False).logits  # without use_cache=False, transformers' masks ignore the packing
+    lp = logprobs_from_logits(logits, p.labels[None], temperature)[0]
+    parts = p.unpack(lp)
+    ents = p.unpack(entropy_from_logits(logits[0].float() / temperature)) if entropy else [None] * len(parts)
+    return [ResponseTokens(lp, ent) for lp, ent in zip(parts, ents, strict=True)]
+
+
+def response_tokens(model, batch: dict, device: torch.device, temperature: float = 1.0, entropy: bool = False,
+                    packed: bool = False, budget: int | None = None) -> ResponseTokens:
+    """:class:`ResponseTokens` of ``batch`` under ``model``: padded (logits at the response positions), or
+    ``packed``, in forwards of at most ``budget`` tokens each (rows cut in order; one forward when None)."""
+    if not packed:
+        return tokens_of(response_logits(model, batch, device), batch, device, temperature, entropy)
+    parts = [packed_tokens_of(model, [rows(batch, c)], device, temperature, entropy)[0]
+             for c in ([slice(None)] if budget is None else row_chunks(batch, budget))]
+    if len(parts) == 1:
+        return parts[0]
+    return ResponseTokens(torch.cat([t.logprobs for t in parts]),
+                          torch.cat([t.entropy for t in parts]) if entropy else None)
+
+
+def response_logprobs(model, batch: dict, device: torch.device, temperature: float = 1.0, *, packed: bool = False,
+                      budget: int | None = None) -> torch.Tensor:
+    """Log-probs [B, R] of the response tokens under `model` (0 at padding); ``packed``: see
+    :func:`response_tokens`."""
+    return response_tokens(model, batch, device, temperature, packed=packed, budget=budget).logprobs
 
 
 def widen(batches: list[dict], pad_id: int) -> list[dict]:
@@ -127,6 +180,14 @@ def response_hidden_states(backbone: torch.nn.Module, batch: dict, device: torch
     """Last hidden states [B, R, H] of the positions that emit each response token."""
     out, span = _response_positions(backbone, batch, device)
     return out.last_hidden_state[:, span, :]
+
+
+def packed_hidden_states(backbone: torch.nn.Module, batch: dict, device: torch.device) -> tuple[torch.Tensor, Packed]:
+    """Last hidden states [N, H] of the positions that emit each real response token, from one forward over
+    ``batch``'s sequences packed into a row, and the packing (``unpack`` puts per-token values back to [B, R])."""
+    p = pack([batch], device)
+    out = backbone(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False)
+    return out.last_hidden_state[0, p.keep], p
 
 
 def builds_tiny_model(args: HFModelArgs) -> bool:
@@ -188,6 +249,24 @@ class HFModule(TorchModule):
     args_schema = HFModelArgs
     # a replica may span processes: data parallel and ZeRO (trainers), tensor parallel (see TorchModule)
     multi_process = True
+    # whether it scores / trains on packed sequences when `models.<name>.packing` is on (the config refuses
+    # packing for a module without it, see chatlearn.config.engine_checks)
+    supports_packing: ClassVar[bool] = False
+
+    @property
+    def packing(self) -> bool:
+        """``models.<name>.packing``: padding-free forwards (:mod:`chatlearn.models.hf.packing`)."""
+        return bool(getattr(self.module_args, "packing", False))
+
+    @property
+    def packing_budget(self) -> int:
+        """``models.<name>.max_token_in_packing``: the most tokens one packed forward (micro-batch) holds."""
+        return int(getattr(self.module_args, "max_token_in_packing", 32768))
+
+    def parallelize(self) -> None:
+        if self.packing:  # the attention that keeps packed sequences apart (padded calls are SDPA's, exactly)
+            use_packed_attention(self.model)
+        super().parallelize()
 
     def prepare_files(self, module_args: ModelConfig) -> None:
         ensure_model_files(self.args_schema.model_validate(module_args.args_dict or {}))

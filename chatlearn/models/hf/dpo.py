@@ -23,8 +23,10 @@ from chatlearn.models.hf.common import (
     ensure_model_files,
     load_causal_lm,
     load_tokenizer,
+    packed_tokens_of,
     response_logprobs,
 )
+from chatlearn.models.hf.packing import row_chunks, rows
 from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs
 
 
@@ -45,10 +47,26 @@ def rejected_view(batch: dict) -> dict:
             "response_ids": batch["rejected_ids"], "response_mask": batch["rejected_mask"]}
 
 
+def pair_logprobs(model, batch: dict, device: torch.device, temperature: float, packed: bool = False,
+                  budget: int | None = None, rejected_model=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs [B, R] of the chosen and [B, R'] of the rejected responses. Padded: a forward per side, the
+    rejected one on ``rejected_model`` when given (a DDP wrapper prepares its gradient reduction in its
+    forward, once per backward: the second pass runs on the module itself, same parameters). Packed: both
+    sides in ONE forward (in rows of at most ``budget`` tokens; one when None)."""
+    if not packed:
+        return (response_logprobs(model, batch, device, temperature),
+                response_logprobs(rejected_model or model, rejected_view(batch), device, temperature))
+    chunks = [slice(None)] if budget is None else row_chunks(batch, budget, lambda b: [b, rejected_view(b)])
+    parts = [packed_tokens_of(model, [rows(batch, c), rejected_view(rows(batch, c))], device, temperature)
+             for c in chunks]
+    return torch.cat([c.logprobs for c, _ in parts]), torch.cat([r.logprobs for _, r in parts])
+
+
 class PairReference(HFModule):
     """The DPO engine's first model: owns the pair dataset, tokenises pairs, adds frozen log-probs of both."""
 
     args_schema = PairArgs
+    supports_packing = True
 
     def setup(self) -> None:
         ensure_model_files(self.args)
@@ -98,10 +116,9 @@ class PairReference(HFModule):
 
     @torch.no_grad()
     def forward_step(self, data, iteration):
-        t = self.args.temperature
-        chosen = response_logprobs(self.model, data, self.device, t).cpu()
-        rejected = response_logprobs(self.model, rejected_view(data), self.device, t).cpu()
-        return {**data, "ref_logprobs": chosen, "rejected_ref_logprobs": rejected}
+        chosen, rejected = pair_logprobs(self.model, data, self.device, self.args.temperature, self.packing,
+                                         self.packing_budget)
+        return {**data, "ref_logprobs": chosen.cpu(), "rejected_ref_logprobs": rejected.cpu()}
 
     def eval_step(self, data):
         return self.forward_step(data, 0)
@@ -125,15 +142,14 @@ class DPOPolicyTrainer(CausalLMTrainer):
     aggregation = "sequence-mean"
     supports_pipeline = False  # two forward passes per micro-batch (chosen, rejected)
 
-    def _sequence_logprobs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self.args.temperature
-        # DDP prepares its gradient reduction in the wrapper's forward: once per backward, so the rejected
-        # pass runs on the module itself (same parameters, same hooks)
-        chosen = sequence_logprob(response_logprobs(self.fwd, batch, self.device, t),
-                                  batch["response_mask"].to(self.device))
-        rejected = sequence_logprob(response_logprobs(self.model, rejected_view(batch), self.device, t),
-                                    batch["rejected_mask"].to(self.device))
-        return chosen, rejected
+    def packed_views(self, mb: dict) -> list[dict]:
+        return [mb, rejected_view(mb)]
+
+    def _sequence_logprobs(self, batch: dict, budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen, rejected = pair_logprobs(self.fwd, batch, self.device, self.args.temperature, self.packing, budget,
+                                         self.model)
+        return (sequence_logprob(chosen, batch["response_mask"].to(self.device)),
+                sequence_logprob(rejected, batch["rejected_mask"].to(self.device)))
 
     def _ref(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         chosen = sequence_logprob(batch["ref_logprobs"], batch["response_mask"]).to(self.device)
@@ -156,7 +172,7 @@ class DPOPolicyTrainer(CausalLMTrainer):
 
     @torch.no_grad()
     def eval_step(self, data):
-        pc, pr = self._sequence_logprobs(data)
+        pc, pr = self._sequence_logprobs(data, self.packing_budget)
         rc, rr = self._ref(data)
         margin = (self.args.dpo_weight * ((pc - pr) - (rc - rr))).cpu()
         return {"scores": margin, "preferred": (margin > 0).float()}
@@ -187,6 +203,7 @@ class OnlineDPOPolicyTrainer(CausalLMTrainer):
 
     args_schema = OnlineDPOArgs
     supports_pipeline = False  # a micro-batch without pairs runs no forward pass
+    supports_packing = False  # its pairs live inside each micro-batch's prompt groups, which a token cut would split
 
     def global_batch(self, data_list: list[dict]) -> GlobalMean:
         # the unit is a pair, found in each micro-batch's groups (online DPO's micro-batches hold whole groups)

@@ -23,9 +23,8 @@ import torch
 from pydantic import Field
 
 from chatlearn.algorithms import get_policy_loss, masked_sum
-from chatlearn.algorithms.grpo import entropy_from_logits, k3_kl
-from chatlearn.algorithms.ppo import logprobs_from_logits
-from chatlearn.models.hf.common import response_logprobs
+from chatlearn.algorithms.grpo import k3_kl
+from chatlearn.models.hf.common import ResponseTokens, response_logprobs
 from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs
 
 
@@ -62,7 +61,8 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         """Old log-probs from the trainer's weights (score stage, ``old_logprobs: trainer``)."""
         self.model.eval()
         try:
-            lp = response_logprobs(self.infer_model, data, self.device, self.args.temperature)
+            lp = response_logprobs(self.infer_model, data, self.device, self.args.temperature, packed=self.packing,
+                                   budget=self.packing_budget)
         finally:
             self.model.train()
         return {"old_logprobs": lp.cpu()}
@@ -72,11 +72,14 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         return ("policy_loss", *_CLIP_STATS, *(("kl_loss",) if a.kl_coef > 0 else ()),
                 *(("entropy",) if a.entropy_coef > 0 else ()))
 
-    def loss(self, mb: dict, out: torch.Tensor, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def wants_entropy(self) -> bool:
+        return self.args.entropy_coef > 0
+
+    def loss(self, mb: dict, out: ResponseTokens, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.args
         total = self.batch_mean.total  # the loss divides by the global batch's tokens itself; w weighs the stats
         mask = mb["response_mask"].to(self.device)
-        logprobs = logprobs_from_logits(out, mb["response_ids"].to(self.device), a.temperature) * mask
+        logprobs = out.logprobs
         if a.old_logprobs == "current":  # on-policy: the weights before this episode's only step
             old = logprobs.detach()
         else:
@@ -91,7 +94,7 @@ class GRPOPolicyTrainer(CausalLMTrainer):
             loss = loss + a.kl_coef * kl
             part["kl_loss"] = float(kl.detach()) * on
         if a.entropy_coef > 0:
-            ent = masked_sum(entropy_from_logits(out.float() / a.temperature), mask) / total
+            ent = masked_sum(out.entropy, mask) / total
             loss = loss - a.entropy_coef * ent
             part["entropy"] = float(ent.detach()) * on
         for k in _CLIP_STATS:

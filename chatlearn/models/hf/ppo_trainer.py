@@ -11,7 +11,7 @@ import torch
 from pydantic import Field
 
 from chatlearn.algorithms import get_policy_loss, get_value_loss, whiten_global_batch
-from chatlearn.models.hf.common import ensure_model_files, logprobs_of
+from chatlearn.models.hf.common import ResponseTokens, ensure_model_files
 from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs, Trainer
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
 
@@ -47,10 +47,9 @@ class PPOPolicyTrainer(CausalLMTrainer):
     def stat_keys(self) -> tuple[str, ...]:
         return ("policy_loss", "clipfrac", "approx_kl")
 
-    def loss(self, mb: dict, out: torch.Tensor, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, mb: dict, out: ResponseTokens, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"].to(self.device)
-        logprobs = logprobs_of(out, mb, self.device, self.args.temperature)
-        loss, st = self.loss_fn(logprobs, mb["logprobs"].to(self.device), mb["advantages"].to(self.device),
+        loss, st = self.loss_fn(out.logprobs, mb["logprobs"].to(self.device), mb["advantages"].to(self.device),
                                 mask, cliprange=self.args.cliprange)
         return loss * w, {"policy_loss": float(loss.detach()) * w, "clipfrac": st["clipfrac"] * w,
                           "approx_kl": st["approx_kl"] * w}
@@ -61,6 +60,7 @@ class PPOValueTrainer(Trainer):
 
     args_schema = PPOValueArgs
     prefix = "value"
+    supports_packing = True
 
     def setup(self) -> None:
         ensure_model_files(self.args)
@@ -74,7 +74,7 @@ class PPOValueTrainer(Trainer):
         return ("value_loss", "vf_clipfrac")
 
     def forward(self, mb: dict) -> Any:
-        return self.fwd(mb, self.device)
+        return self.fwd(mb, self.device, packed=self.packing)
 
     def loss(self, mb: dict, out: torch.Tensor, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"].to(self.device)

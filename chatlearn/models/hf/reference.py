@@ -7,6 +7,7 @@ from chatlearn.models.hf.common import HFModule, ensure_model_files, load_causal
 
 class ReferenceModel(HFModule):
     supports_pipeline = True
+    supports_packing = True
 
     def setup(self) -> None:
         ensure_model_files(self.args)
@@ -16,4 +17,6 @@ class ReferenceModel(HFModule):
 
     @torch.no_grad()
     def forward_step(self, data, iteration):
-        return {"ref_logprobs": response_logprobs(self.infer_model, data, self.device, self.args.temperature).cpu()}
+        lp = response_logprobs(self.infer_model, data, self.device, self.args.temperature, packed=self.packing,
+                               budget=self.packing_budget)
+        return {"ref_logprobs": lp.cpu()}

@@ -27,11 +27,13 @@ from chatlearn.models.hf.common import (
     full_sequence,
     load_causal_lm,
     load_tokenizer,
-    response_logits,
     response_span,
+    response_tokens,
+    tokens_of,
     widen,
 )
 from chatlearn.models.hf.lora import LoraTrainerMixin
+from chatlearn.models.hf.packing import regroup
 from chatlearn.models.pipeline import pipeline_train
 from chatlearn.utils.finite import require_finite
 
@@ -118,8 +120,9 @@ class Trainer(HFModule):
       global batch times ``on``; ``on`` is 0.0 for a data-parallel stand-in that must add nothing), and the
       micro-batch's statistics, weighted the same way so that their sum is the global batch's;
     * ``stat_keys()``: the statistics it reports (summed over the micro-batches and the ranks);
-    * optionally ``forward(mb)`` (what ``loss`` gets as ``out``; default: the logits [B, R, V] that predict the
-      response tokens), ``prepare(data_list)`` (work over the whole global batch first), ``global_batch``
+    * optionally ``forward(mb)`` (what ``loss`` gets as ``out``; default: the response tokens' log-probs, and
+      their entropies when ``wants_entropy``, as :class:`~chatlearn.models.hf.common.ResponseTokens` [B, R],
+      padded or packed alike), ``prepare(data_list)`` (work over the whole global batch first), ``global_batch``
       (the shares, by another count than ``aggregation``'s), ``micro_batch`` (a step that may skip a
       micro-batch), ``step_stats`` and ``skip_step``.
     """
@@ -143,7 +146,25 @@ class Trainer(HFModule):
         raise NotImplementedError(f"{type(self).__name__}.loss")
 
     def forward(self, mb: dict) -> Any:
-        return response_logits(self.fwd, mb, self.device)
+        return response_tokens(self.fwd, mb, self.device, self.args.temperature, self.wants_entropy(),
+                               packed=self.packing)
+
+    def wants_entropy(self) -> bool:
+        """Whether ``loss`` reads the entropies of the response tokens (they cost a pass over the logits)."""
+        return False
+
+    def packed_views(self, mb: dict) -> list[dict]:
+        """The sequences each sample puts into a packed row, as views of the micro-batch (its prompt and
+        response; DPO: the chosen and the rejected side); they size the token-budget micro-batches."""
+        return [mb]
+
+    def micro_batches(self, data_list: list[dict]) -> list[dict]:
+        """The micro-batches the step runs: as they came, or with ``packing`` re-cut by tokens (at most
+        ``max_token_in_packing`` each, :func:`~chatlearn.models.hf.packing.regroup`; the same cut on every rank).
+        Their pads are 0: packed, no pad is ever computed."""
+        if not self.packing:
+            return data_list
+        return regroup(data_list, self.packing_budget, views=self.packed_views)
 
     def prepare(self, data_list: list[dict]) -> None:
         """Work over the whole global batch before its step (PPO whitens the advantages here)."""
@@ -167,6 +188,7 @@ class Trainer(HFModule):
     # -- the loop ------------------------------------------------------------------------------------------
     def train_step(self, data_list, iteration):
         self.prepare(data_list)
+        data_list = self.micro_batches(data_list)
         self.optimizer.zero_grad(set_to_none=True)
         self.batch_mean = mean = self.global_batch(data_list)
         stats: dict[str, float] = dict.fromkeys(self.stat_keys(), 0.0)
@@ -202,7 +224,9 @@ class Trainer(HFModule):
 
         def stage_loss(i: int, logits: torch.Tensor) -> torch.Tensor:
             b = wide[i]
-            loss, parts[i] = self.loss(b, logits[: len(b["prompt_ids"]), response_span(b), :], 1.0, weights[i] * 1.0)
+            out = tokens_of(logits[: len(b["prompt_ids"]), response_span(b), :], b, self.device,
+                            self.args.temperature, self.wants_entropy())
+            loss, parts[i] = self.loss(b, out, 1.0, weights[i] * 1.0)
             return loss
 
         pipeline_train(self.parallel.stage, self.parallel, inputs, stage_loss)
@@ -215,6 +239,7 @@ class CausalLMTrainer(LoraTrainerMixin, Trainer):
 
     supports_lora: ClassVar[bool] = True
     supports_pipeline: ClassVar[bool] = True  # one forward per micro-batch: the 1F1B schedule runs it
+    supports_packing: ClassVar[bool] = True
 
     def setup(self) -> None:
         ensure_model_files(self.args)

@@ -4,7 +4,14 @@ import torch
 from pydantic import Field
 from transformers import AutoModel
 
-from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, response_hidden_states
+from chatlearn.models.hf.common import (
+    HFModelArgs,
+    HFModule,
+    ensure_model_files,
+    packed_hidden_states,
+    response_hidden_states,
+)
+from chatlearn.models.hf.packing import row_chunks, rows
 
 
 class ValueArgs(HFModelArgs):
@@ -24,7 +31,12 @@ class ValueNetwork(torch.nn.Module):
             self.value_head.weight.copy_(torch.randn(1, hidden, generator=gen) / hidden**0.5 * 0.1)
             self.value_head.bias.zero_()
 
-    def forward(self, batch: dict, device: torch.device) -> torch.Tensor:
+    def forward(self, batch: dict, device: torch.device, packed: bool = False) -> torch.Tensor:
+        """Values [B, R] of the positions that emit each response token (0 at padding); ``packed``: one
+        forward over the sequences packed into a row, the head on the real response positions only."""
+        if packed:
+            hidden, p = packed_hidden_states(self.backbone, batch, device)
+            return p.unpack(self.value_head(hidden.float()).squeeze(-1))[0]
         hidden = response_hidden_states(self.backbone, batch, device)
         return self.value_head(hidden.float()).squeeze(-1) * batch["response_mask"].to(device)
 
@@ -33,6 +45,7 @@ class ValueModel(HFModule):
     """Inference copy of the value network (weights synced from `ppo_value`)."""
 
     args_schema = ValueArgs
+    supports_packing = True
 
     def setup(self) -> None:
         ensure_model_files(self.args)
@@ -41,4 +54,7 @@ class ValueModel(HFModule):
 
     @torch.no_grad()
     def forward_step(self, data, iteration):
-        return {"values": self.model(data, self.device).cpu()}
+        if not self.packing:
+            return {"values": self.model(data, self.device).cpu()}
+        return {"values": torch.cat([self.model(rows(data, c), self.device, packed=True).cpu()
+                                     for c in row_chunks(data, self.packing_budget)])}
