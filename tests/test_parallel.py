@@ -458,6 +458,41 @@ def test_dpo_trainer_layouts_give_one_process_gradients(ray_session, tiny_model_
     assert worst <= 1e-6 * max(1.0, max(float(want[n].abs().max()) for n in want)), worst
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize(("layout", "probe"), [("dp2", "ppo"), ("zero2", "ppo"), ("tp2", "ppo"), ("dp2", "dpo")])
+def test_packed_layouts_give_the_padded_one_process_gradients(ray_session, tiny_model_dir, tiny_qwen2_dir, tmp_path,
+                                                              layout, probe):
+    """Packing (issue 25 item 3) under DDP, FSDP2 and TP: the replica re-cuts the global batch by a 24-token
+    budget (three micro-batches: one rank runs a stand-in), packs each into one row, and its step's loss and
+    gradients are the padded single process's (DPO: chosen and rejected in one forward under DDP)."""
+    path = tiny_qwen2_dir if layout in ON_QWEN2 else tiny_model_dir
+    cls, data = (GradProbe, micro_batches()) if probe == "ppo" else (DPOGradProbe, pair_batches())
+    args = model_args(path) if probe == "ppo" else {"model_path": path, "lr": 1e-3, "max_grad_norm": 1e6}
+    shape = {"trainable": True, "cpu_per_process": 1, "args_dict": args, **LAYOUTS[layout]}
+    single = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1}},
+                    str(tmp_path))
+    one = cls("ppo_policy")
+    one.bind(single.models["ppo_policy"], single.runtime, 0, single.runtime.seed)
+    one.setup()
+    want_stats = one.train_step([dict(mb) for mb in data], 0)
+    want = one.grads()
+    packed = config({"ppo_policy": {**shape, "packing": True, "max_token_in_packing": 24}}, str(tmp_path))
+    workers = start(packed, {"ppo_policy": cls("ppo_policy")})
+    try:
+        head = workers.groups["ppo_policy"].heads[0]
+        stats = done(head.call.remote("train_step", data, 0))
+        got = done(head.call.remote("grads"))
+    finally:
+        workers.kill()
+    keys = ("policy_loss", "clipfrac", "approx_kl") if probe == "ppo" else ("dpo_loss", "reward_accuracy")
+    for key in (*keys, "policy_grad_norm"):
+        assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
+    assert got.keys() == want.keys()
+    worst = max(float((got[n] - want[n]).abs().max()) for n in want)
+    scale = max(float(want[n].abs().max()) for n in want)
+    assert worst <= 1e-5 * scale, f"{layout} {probe}: packed gradients differ by {worst} (largest {scale})"
+
+
 def test_the_run_says_how_each_multi_process_model_splits(capsys):
     from flows.train_flow import _show_layouts
 
