@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chatlearn.algorithms import logprobs_from_logits
@@ -20,6 +20,7 @@ from chatlearn.algorithms.grpo import entropy_from_logits
 from chatlearn.config import ModelConfig
 from chatlearn.models.hf.packing import Packed, pack, row_chunks, rows, use_packed_attention
 from chatlearn.models.hf.tiny import TinyModelSpec, ensure_tiny_model
+from chatlearn.models.precision import autocast_bf16
 from chatlearn.models.torch_module import TorchModule
 
 
@@ -42,6 +43,18 @@ class HFModelArgs(BaseModel):
     )
     temperature: float = Field(1.0, gt=0, description="sampling temperature (also used for log-probs)")
     dtype: str = Field("float32", description="torch dtype of the weights")
+    bf16: bool = Field(
+        False, description="bf16 mixed precision (ChatLearn's field): a trainer keeps fp32 weights and optimizer "
+        "state and runs its decoder layers and LM head in bf16 (autocast), with log-probs, KL and losses in fp32; "
+        "an inference model holds bf16 weights, and the sync sends it bf16 (chatlearn.models.precision)")
+
+    @model_validator(mode="after")
+    def _bf16_keeps_fp32_weights(self) -> "HFModelArgs":
+        if self.bf16 and self.dtype != "float32":
+            raise ValueError(f"bf16: true keeps fp32 weights (a trainer's master copy; an inference copy is cast "
+                             f"to bf16 itself), so dtype must stay float32, got {self.dtype!r}; dtype: bfloat16 "
+                             "alone gives pure bf16 weights")
+        return self
 
 
 def load_tokenizer(path: str):
@@ -264,6 +277,11 @@ class HFModule(TorchModule):
         return int(getattr(self.module_args, "max_token_in_packing", 32768))
 
     def parallelize(self) -> None:
+        if getattr(self.args, "bf16", False):  # before any wrapper (DDP, FSDP2, TP) captures the parameters
+            if self.trainable:
+                autocast_bf16(self.model, self.device.type)
+            else:  # a value network's head stays fp32: it reads the backbone's states upcast
+                getattr(self.model, "backbone", self.model).to(torch.bfloat16)
         if self.packing:  # the attention that keeps packed sequences apart (padded calls are SDPA's, exactly)
             use_packed_attention(self.model)
         super().parallelize()

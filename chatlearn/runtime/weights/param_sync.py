@@ -247,7 +247,8 @@ class Sender:
         """Send ``plan``'s buckets; returns (collectives posted, largest staging bytes)."""
         wire = _Wire(self.group, self.comm, self.staging) if self.group is not None else None
         for bucket in plan:
-            fulls = [full_tensor(self.sources[specs[i][0]]).detach() for i in bucket]
+            # cast to what the receivers hold (a bf16 inference copy of an fp32 trainer: see sync.check_specs)
+            fulls = [full_tensor(self.sources[specs[i][0]]).detach().to(specs[i][2]) for i in bucket]
             if self.colocated is not None:
                 with torch.no_grad():
                     for i, full in zip(bucket, fulls, strict=True):
@@ -347,7 +348,7 @@ def transfer(specs: list[TensorSpec], *, group: SyncGroup | None = None, sources
     if debug:
         for key, tensors in (("trainer_digests", sources), ("receiver_digests", targets)):
             if tensors is not None:
-                stats[key] = {n: digest(full_tensor(tensors[n])) for n, _, _ in specs}
+                stats[key] = {n: digest(full_tensor(tensors[n]).to(dtype)) for n, _, dtype in specs}
     return stats
 
 

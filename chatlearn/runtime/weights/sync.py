@@ -71,13 +71,19 @@ def plan_route(src: str, dst: str, src_ranks: list[str], dst_ranks: list[list[st
                      free_group=bool(runtime.free_sync_collective_group), debug=bool(runtime.debug))
 
 
+_FLOATS = ("float32", "float64", "bfloat16", "float16")
+
+
 def check_specs(route: SyncRoute, src_specs: list, dst_specs: list) -> list[tuple[str, list[int], str]]:
-    """The receiver's tensors (names, shapes, dtypes) must be the trainer's; the first difference is named."""
+    """The receiver's tensors (names, shapes, dtypes) must be the trainer's, but for floating dtypes: the sync
+    sends what the receiver holds (a bf16 inference copy of an fp32 trainer gets bf16, cast on the trainer's
+    side). The first difference is named; the route's specs are the receiver's."""
     src = {n: (list(s), d) for n, s, d in src_specs}
     for n, shape, dtype in dst_specs:
         if n not in src:
             raise SyncError(f"param sync {route.key}: {route.dst} has {n!r}, which {route.src} does not")
-        if src[n] != (list(shape), dtype):
+        cast = src[n][1] in _FLOATS and dtype in _FLOATS
+        if src[n][0] != list(shape) or (src[n][1] != dtype and not cast):
             raise SyncError(f"param sync {route.key}: {n!r} is {src[n][0]} {src[n][1]} in {route.src} but "
                             f"{list(shape)} {dtype} in {route.dst}")
     extra = [n for n in src if n not in {d[0] for d in dst_specs}]
