@@ -31,13 +31,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from chatlearn.data.batch import collate_samples, split_batch
 
-__all__ = ["PACKED_ATTENTION", "Packed", "pack", "packed_tokens", "regroup", "row_chunks", "rows",
+__all__ = ["PACKED_ATTENTION", "Packed", "pack", "packed_tokens", "regroup", "row_chunks", "rows", "sequence_bounds",
            "token_budget_groups", "use_packed_attention"]
 
 PACKED_ATTENTION = "chatlearn_packed"
 
 
-def _segments(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     """(start, end) of each sequence of a packed row: a new one starts wherever the position does not go up
     by one (transformers' own rule, ``find_packed_sequence_indices``)."""
     p = position_ids.reshape(-1)
@@ -53,7 +53,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if (attention_mask is not None or position_ids is None or query.shape[0] != 1
             or query.shape[2] != key.shape[2]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    segments = _segments(position_ids)
+    segments = sequence_bounds(position_ids)
     if len(segments) == 1:
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
     kwargs = {**kwargs, "is_causal": True}
