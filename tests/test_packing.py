@@ -2,7 +2,7 @@
 and values (1e-5, fp32) and the same step's gradients (1e-5 relative) for the GRPO, PPO policy, PPO value and DPO
 trainers, on the tiny Llama and the tied-embedding GQA Qwen2, with micro-batches re-cut by a token budget; the
 scoring modules pack in budget-sized forwards; the config refuses packing where it cannot run. The layouts
-(DDP, FSDP2, TP) are in tests/test_parallel.py."""
+(DDP, FSDP2, TP, PP) are in tests/test_parallel.py."""
 
 import pytest
 import torch
@@ -210,6 +210,8 @@ def test_packing_fields_are_real_and_checked():
     assert (m.packing, m.max_token_in_packing) == (False, 32768) and not m.model_extra
     assert problems("models.reference.packing=true", "models.value.packing=true", "models.ppo_policy.packing=true",
                     "models.ppo_value.packing=true", "models.ppo_policy.max_token_in_packing=4096") == []
+    assert problems("models.reference.packing=true", "models.reference.num_cpu=2",  # pipeline stages pack too
+                    "models.reference.pipeline_model_parallel_size=2") == []
     assert problems("models.ppo_policy.max_token_in_packing=0") == [
         "models.ppo_policy.max_token_in_packing: must be >= 1, got 0"]
 
@@ -218,8 +220,6 @@ def test_packing_fields_are_real_and_checked():
     (["models.reward.packing=true"], DEFAULT, "RuleReward"),
     (["models.policy.packing=true"], DEFAULT, "PolicyInference"),
     (["models.ppo_policy.packing=true"], "configs/online_dpo.yaml", "OnlineDPOPolicyTrainer"),
-    (["models.reference.packing=true", "models.reference.num_cpu=2",
-      "models.reference.pipeline_model_parallel_size=2"], DEFAULT, "pipeline_model_parallel_size=2"),
 ])
 def test_a_model_or_layout_that_cannot_pack_refuses_packing(overrides, config, names):
     found = [p for p in problems(*overrides, config=config) if ".packing:" in p]

@@ -459,18 +459,20 @@ def test_dpo_trainer_layouts_give_one_process_gradients(ray_session, tiny_model_
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("layout", "probe"), [("dp2", "ppo"), ("zero2", "ppo"), ("tp2", "ppo"), ("dp2", "dpo")])
+@pytest.mark.parametrize(("layout", "probe"), [("dp2", "ppo"), ("zero2", "ppo"), ("tp2", "ppo"), ("pp2", "ppo"),
+                                               ("dp2", "dpo")])
 def test_packed_layouts_give_the_padded_one_process_gradients(ray_session, tiny_model_dir, tiny_qwen2_dir, tmp_path,
                                                               layout, probe):
-    """Packing (issue 25 item 3) under DDP, FSDP2 and TP: the replica re-cuts the global batch by a 24-token
-    budget (three micro-batches: one rank runs a stand-in), packs each into one row, and its step's loss and
-    gradients are the padded single process's (DPO: chosen and rejected in one forward under DDP)."""
+    """Packing (issue 25 item 3) under DDP, FSDP2, TP and PP: the replica re-cuts the global batch by a 24-token
+    budget (three micro-batches: one data rank runs a stand-in; the pipeline fills the rows to one width), packs
+    each into one row, and its step's loss and gradients are the padded single process's (DPO: chosen and
+    rejected in one forward under DDP)."""
     path = tiny_qwen2_dir if layout in ON_QWEN2 else tiny_model_dir
     cls, data = (GradProbe, micro_batches()) if probe == "ppo" else (DPOGradProbe, pair_batches())
     args = model_args(path) if probe == "ppo" else {"model_path": path, "lr": 1e-3, "max_grad_norm": 1e6}
     shape = {"trainable": True, "cpu_per_process": 1, "args_dict": args, **LAYOUTS[layout]}
-    single = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1}},
-                    str(tmp_path))
+    single = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1,
+                                    "pipeline_model_parallel_size": 1}}, str(tmp_path))
     one = cls("ppo_policy")
     one.bind(single.models["ppo_policy"], single.runtime, 0, single.runtime.seed)
     one.setup()
@@ -491,6 +493,30 @@ def test_packed_layouts_give_the_padded_one_process_gradients(ray_session, tiny_
     worst = max(float((got[n] - want[n]).abs().max()) for n in want)
     scale = max(float(want[n].abs().max()) for n in want)
     assert worst <= 1e-5 * scale, f"{layout} {probe}: packed gradients differ by {worst} (largest {scale})"
+
+
+@pytest.mark.integration
+def test_pipeline_stages_score_packed_as_one_padded_process(ray_session, tiny_qwen2_dir, tmp_path):
+    """The reference in 2 pipeline stages with packing scores in rows of at most 20 tokens (the stages pass a
+    packed row's activations on) the log-probs one padded process gives."""
+    from chatlearn.data.batch import collate_samples, split_batch
+    from chatlearn.models.hf.reference import ReferenceModel
+
+    batch = collate_samples([s for mb in micro_batches() for s in split_batch(mb)])
+    shape = {"num_cpu": 2, "cpu_per_process": 1, "pipeline_model_parallel_size": 2, "packing": True,
+             "max_token_in_packing": 20, "args_dict": {"model_path": tiny_qwen2_dir}}
+    cfg = config({"reference": shape}, str(tmp_path))
+    one = ReferenceModel("reference")
+    one.bind(cfg.models["reference"].model_copy(update={"pipeline_model_parallel_size": 1, "num_cpu": 1,
+                                                        "packing": False}), cfg.runtime, 0, cfg.runtime.seed)
+    one.setup()
+    want = one.forward_step(dict(batch), 0)["ref_logprobs"]
+    workers = start(cfg, {"reference": ReferenceModel("reference")})
+    try:
+        got = done(workers.groups["reference"].heads[0].call.remote("forward_step", dict(batch), 0))["ref_logprobs"]
+    finally:
+        workers.kill()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def test_the_run_says_how_each_multi_process_model_splits(capsys):

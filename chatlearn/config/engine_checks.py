@@ -368,8 +368,9 @@ def _rollout_engine(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str
 
 
 def _packing(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
-    """``packing`` needs a module that runs packed forwards (``supports_packing``) in a layout that can: never
-    accepted and ignored (the run would be the padded one, at the padded cost, with packing reported on)."""
+    """``packing`` needs a module that runs packed forwards (``supports_packing``; every layout it runs packs,
+    pipeline stages included): never accepted and ignored (the run would be the padded one, at the padded
+    cost, with packing reported on)."""
     problems = []
     for name in names:
         m = cfg.models[name]
@@ -381,10 +382,6 @@ def _packing(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any],
         if not getattr(cls, "supports_packing", False):
             problems.append(f"models.{name}.packing: true is not supported yet by {cls.__name__} (the reference, "
                             f"value, PPO/GRPO/DPO trainers and the DPO pair reference pack); leave it at false")
-        elif (m.pipeline_model_parallel_size or 1) > 1:
-            problems.append(f"models.{name}.packing: true is not supported yet with pipeline_model_parallel_size="
-                            f"{m.pipeline_model_parallel_size} (the 1F1B schedule runs padded micro-batches of one "
-                            f"shape); leave packing at false, or use tensor_model_parallel_size or zero_size")
     return problems
 
 

@@ -43,7 +43,10 @@ class LMStage(torch.nn.Module):
         self.norm = base.norm if self.last else None
         self.lm_head = lm.lm_head if self.last else None
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask`` None: a packed row (its sequences told apart by their restarting ``position_ids``,
+        :mod:`chatlearn.models.hf.packing`)."""
         h = self.embed_tokens(x) if self.first else x
         mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask, cache=None,
                                   position_ids=position_ids)
@@ -110,7 +113,7 @@ def gather_stages(model: torch.nn.Module, ctx: Any, owned: dict[int, set[str]]) 
 
 
 @torch.no_grad()
-def pipelined_logits(stage: LMStage, ctx: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def pipelined_logits(stage: LMStage, ctx: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                      position_ids: torch.Tensor, hidden_size: int, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Inference through the stages (every stage calls it with the same inputs); every stage gets the logits."""
     index, group = ctx.coords["pp"], ctx.dim_groups["pp"]
@@ -132,8 +135,8 @@ def pipeline_train(stage: LMStage, ctx: Any, micro_batches: list[dict[str, torch
                    loss_of: Any) -> None:
     """Forward and backward of the micro-batches through the stages with the 1F1B schedule.
 
-    ``micro_batches`` hold ``input_ids``, ``attention_mask``, ``position_ids`` of one shape each (pad them
-    first); ``loss_of(i, logits)`` gives the loss of micro-batch ``i`` to backward, already weighted (no
+    ``micro_batches`` hold ``input_ids``, ``position_ids`` and (unless packed) ``attention_mask`` of one shape
+    each (pad them first); ``loss_of(i, logits)`` gives the loss of micro-batch ``i`` to backward, already weighted (no
     schedule scaling). Runs on the last stage only."""
     device = micro_batches[0]["input_ids"].device
     pipe = PipelineStage(stage, stage_index=ctx.coords["pp"], num_stages=ctx.dims.pp, device=device,
@@ -141,11 +144,11 @@ def pipeline_train(stage: LMStage, ctx: Any, micro_batches: list[dict[str, torch
     schedule = Schedule1F1B(pipe, n_microbatches=len(micro_batches),
                             loss_fn=lambda logits, target: loss_of(int(target.reshape(-1)[0]), logits),
                             scale_grads=False)
-    cat = {k: torch.cat([mb[k] for mb in micro_batches]) for k in ("input_ids", "attention_mask", "position_ids")}
+    cat = {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
     target = torch.arange(len(micro_batches)).repeat_interleave(micro_batches[0]["input_ids"].shape[0])
-    args = (cat["input_ids"],) if stage.first else ()
-    schedule.step(*args, attention_mask=cat["attention_mask"], position_ids=cat["position_ids"],
-                  target=target if stage.last else None, losses=[] if stage.last else None)
+    args = (cat.pop("input_ids"),) if stage.first else ()
+    cat.pop("input_ids", None)
+    schedule.step(*args, **cat, target=target if stage.last else None, losses=[] if stage.last else None)
 
 
 class PipelinedLM:
@@ -156,8 +159,10 @@ class PipelinedLM:
         self.ctx, self.config = ctx, model.config
         self.dtype = next(model.parameters()).dtype
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 logits_to_keep: torch.Tensor | None = None) -> Any:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, logits_to_keep: torch.Tensor | None = None,
+                 use_cache: bool = False) -> Any:
+        # use_cache: taken as the model takes it; the stages keep no cache
         logits = pipelined_logits(self.ctx.stage, self.ctx, input_ids, attention_mask, position_ids,
                                   self.config.hidden_size, self.config.vocab_size, self.dtype)
         return SimpleNamespace(logits=logits if logits_to_keep is None else logits[:, logits_to_keep])

@@ -139,9 +139,16 @@ def packed_tokens_of(model, views: Sequence[dict], device: torch.device, tempera
     p = pack(views, device)
     logits = model(input_ids=p.input_ids, position_ids=p.position_ids, logits_to_keep=p.keep,
                    use_cache=False).logits  # without use_cache=False, transformers' masks ignore the packing
-    lp = logprobs_from_logits(logits, p.labels[None], temperature)[0]
+    return packed_tokens_from(logits[0], p, temperature, entropy)
+
+
+def packed_tokens_from(logits: torch.Tensor, p: Packed, temperature: float = 1.0,
+                       entropy: bool = False) -> list[ResponseTokens]:
+    """:class:`ResponseTokens` of each view of the packing ``p`` from the logits [N, V] at its ``keep``
+    positions (the LM head's output there; a pipeline's last stage gathers them from the whole row)."""
+    lp = logprobs_from_logits(logits[None], p.labels[None], temperature)[0]
     parts = p.unpack(lp)
-    ents = p.unpack(entropy_from_logits(logits[0].float() / temperature)) if entropy else [None] * len(parts)
+    ents = p.unpack(entropy_from_logits(logits.float() / temperature)) if entropy else [None] * len(parts)
     return [ResponseTokens(lp, ent) for lp, ent in zip(parts, ents, strict=True)]
 
 

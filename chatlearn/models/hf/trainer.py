@@ -27,13 +27,14 @@ from chatlearn.models.hf.common import (
     full_sequence,
     load_causal_lm,
     load_tokenizer,
+    packed_tokens_from,
     response_span,
     response_tokens,
     tokens_of,
     widen,
 )
 from chatlearn.models.hf.lora import LoraTrainerMixin
-from chatlearn.models.hf.packing import regroup
+from chatlearn.models.hf.packing import pack, regroup
 from chatlearn.models.pipeline import pipeline_train
 from chatlearn.utils.finite import require_finite
 
@@ -212,6 +213,8 @@ class Trainer(HFModule):
                 if loss is not None:
                     loss.backward()
             return _add(parts.values())
+        if self.packing:
+            return self._packed_pipeline(data_list, weights)
         wide = widen(list(data_list), self.tokenizer.pad_token_id)
         rows = max(len(b["prompt_ids"]) for b in wide)
         inputs = []
@@ -227,6 +230,31 @@ class Trainer(HFModule):
             out = tokens_of(logits[: len(b["prompt_ids"]), response_span(b), :], b, self.device,
                             self.args.temperature, self.wants_entropy())
             loss, parts[i] = self.loss(b, out, 1.0, weights[i] * 1.0)
+            return loss
+
+        pipeline_train(self.parallel.stage, self.parallel, inputs, stage_loss)
+        return _add(parts.values())
+
+    def _packed_pipeline(self, data_list: list[dict], weights: list[float]) -> dict[str, float]:
+        """The 1F1B schedule over packed micro-batches: each one row, filled up to the longest with pad tokens
+        whose positions restart at 0 (a sequence of their own, which no real token attends to and no loss
+        reads), as the schedule splits chunks of one shape. The last stage's logits cover the whole row; the
+        loss gathers the response-predicting positions."""
+        parts: dict[int, dict[str, float]] = {}
+        packs = [pack([b], self.device) for b in data_list]
+        width = max(p.input_ids.shape[1] for p in packs)
+        inputs = []
+        for p in packs:
+            short = width - p.input_ids.shape[1]
+            fill = torch.full((1, short), self.tokenizer.pad_token_id, dtype=p.input_ids.dtype, device=self.device)
+            inputs.append({"input_ids": torch.cat([p.input_ids, fill], 1),
+                           "position_ids": torch.cat([p.position_ids, torch.arange(short, device=self.device)[None]],
+                                                     1)})
+
+        def stage_loss(i: int, logits: torch.Tensor) -> torch.Tensor:
+            (out,) = packed_tokens_from(logits[0, packs[i].keep], packs[i], self.args.temperature,
+                                        self.wants_entropy())
+            loss, parts[i] = self.loss(data_list[i], out, 1.0, weights[i] * 1.0)
             return loss
 
         pipeline_train(self.parallel.stage, self.parallel, inputs, stage_loss)
