@@ -458,17 +458,32 @@ def test_dpo_trainer_layouts_give_one_process_gradients(ray_session, tiny_model_
     assert worst <= 1e-6 * max(1.0, max(float(want[n].abs().max()) for n in want)), worst
 
 
+class ValueGradProbe(__import__("chatlearn.models.hf.ppo_trainer", fromlist=["PPOValueTrainer"]).PPOValueTrainer):
+    grads = GradProbe.grads
+
+
+def value_batches() -> list[dict]:
+    out = []
+    for mb in micro_batches(seed=2):
+        g = torch.Generator().manual_seed(7)
+        mask = mb["response_mask"]
+        out.append({**mb, "values": torch.randn(mask.shape, generator=g) * mask,
+                    "returns": torch.randn(mask.shape, generator=g) * mask})
+    return out
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(("layout", "probe"), [("dp2", "ppo"), ("zero2", "ppo"), ("tp2", "ppo"), ("pp2", "ppo"),
-                                               ("dp2", "dpo")])
+                                               ("dp2", "dpo"), ("zero2", "value")])
 def test_packed_layouts_give_the_padded_one_process_gradients(ray_session, tiny_model_dir, tiny_qwen2_dir, tmp_path,
                                                               layout, probe):
     """Packing (issue 25 item 3) under DDP, FSDP2, TP and PP: the replica re-cuts the global batch by a 24-token
     budget (three micro-batches: one data rank runs a stand-in; the pipeline fills the rows to one width), packs
     each into one row, and its step's loss and gradients are the padded single process's (DPO: chosen and
-    rejected in one forward under DDP)."""
+    rejected in one forward under DDP; the value network's backbone packed under FSDP2)."""
     path = tiny_qwen2_dir if layout in ON_QWEN2 else tiny_model_dir
-    cls, data = (GradProbe, micro_batches()) if probe == "ppo" else (DPOGradProbe, pair_batches())
+    cls, data = {"ppo": (GradProbe, micro_batches()), "dpo": (DPOGradProbe, pair_batches()),
+                 "value": (ValueGradProbe, value_batches())}[probe]
     args = model_args(path) if probe == "ppo" else {"model_path": path, "lr": 1e-3, "max_grad_norm": 1e6}
     shape = {"trainable": True, "cpu_per_process": 1, "args_dict": args, **LAYOUTS[layout]}
     single = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1,
@@ -486,8 +501,10 @@ def test_packed_layouts_give_the_padded_one_process_gradients(ray_session, tiny_
         got = done(head.call.remote("grads"))
     finally:
         workers.kill()
-    keys = ("policy_loss", "clipfrac", "approx_kl") if probe == "ppo" else ("dpo_loss", "reward_accuracy")
-    for key in (*keys, "policy_grad_norm"):
+    keys = {"ppo": ("policy_loss", "clipfrac", "approx_kl", "policy_grad_norm"),
+            "dpo": ("dpo_loss", "reward_accuracy", "policy_grad_norm"),
+            "value": ("value_loss", "vf_clipfrac", "value_grad_norm")}[probe]
+    for key in keys:
         assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
     assert got.keys() == want.keys()
     worst = max(float((got[n] - want[n]).abs().max()) for n in want)
