@@ -105,7 +105,8 @@ REFERENCE = {
 }
 
 # Runtime keys ChatLearn reads as user extras (runtime_args.get) or added after 1.0.2, declared here as typed
-# fields after the reference's own, with ChatLearn's defaults where ChatLearn has one (data_shuffle: 1.0.3's).
+# fields after the reference's own, with ChatLearn's defaults where ChatLearn has one (data_shuffle: 1.0.3's;
+# packing and max_token_in_packing: HEAD's).
 DECLARED_EXTRAS = {
     RuntimeConfig: {
         "seed": 42,
@@ -118,6 +119,10 @@ DECLARED_EXTRAS = {
         "max_restarts": 3,
         "stage_timeout_s": 3600.0,
         "resume_with_changes": False,
+    },
+    ModelConfig: {
+        "packing": False,
+        "max_token_in_packing": 32768,
     },
 }
 ALL_FIELDS = {cls: {**fields, **DECLARED_EXTRAS.get(cls, {})} for cls, fields in REFERENCE.items()}
@@ -189,7 +194,7 @@ def test_dump_has_every_field_with_defaults():
     assert set(dumped) == {"runtime_env", "runtime", "models", "deployment"}
     assert set(dumped["runtime_env"]) == set(REFERENCE[RuntimeEnvConfig])
     assert set(dumped["runtime"]) == set(ALL_FIELDS[RuntimeConfig])
-    assert set(dumped["models"]["policy"]) == set(REFERENCE[ModelConfig])
+    assert set(dumped["models"]["policy"]) == set(ALL_FIELDS[ModelConfig])
     assert set(dumped["models"]["policy"]["lora"]) == set(REFERENCE[LoraConfig])
     assert dumped["runtime"]["num_episode"] == 5000
     assert dumped["runtime"]["train_global_batch_size"] == 2

@@ -143,6 +143,11 @@ class ModelConfig(Section):
     args_dict: dict[str, Any] = Field(
         default_factory=dict, description="[optional] placeholder for other args (backend hyper-parameters)"
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="lora config")
+    batch_generation: BatchGenerationConfig = Field(
+        default_factory=BatchGenerationConfig, description="batch generation config"
+    )
+    # ChatLearn HEAD's padding-free training (after 1.0.2's fields)
     packing: bool = Field(
         default=False,
         description="[optional] padding-free forwards: score and train on packed sequences (each sequence's real "
@@ -154,10 +159,6 @@ class ModelConfig(Section):
         default=32768,
         description="[optional] with packing: the most tokens (prompt + response, real tokens only) one packed "
         "micro-batch or scoring forward holds; a longer single sample runs alone.",
-    )
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="lora config")
-    batch_generation: BatchGenerationConfig = Field(
-        default_factory=BatchGenerationConfig, description="batch generation config"
     )
 
     @model_validator(mode="after")
