@@ -1,7 +1,8 @@
 """GPU smoke run: the embedded default (PPO), GRPO on the tiny Qwen2 (tied embeddings, grouped-query
-attention) and online DPO with LoRA, each with every model on one CUDA device, colocated in one process,
-handing memory over between stages (`free_memory`), two episodes with a checkpoint each. Needs a CUDA device
-(CI never has one; the CPU runs of the same configs are the test suite's).
+attention), online DPO with LoRA, and GRPO in bf16 with continuous batching and packing, each with every
+model on one CUDA device, colocated in one process, handing memory over between stages (`free_memory`), two
+episodes with a checkpoint each. Needs a CUDA device (CI never has one; the CPU runs of the same configs are
+the test suite's).
 
 For each run it prints the wall time, the last episode's reward and peak memory, whether the final policy
 loads with `from_pretrained` (tied weights still tied for the Qwen2), and the handover per episode; writes
@@ -29,6 +30,11 @@ RUNS = {
                          [f"models.{m}.model_config_file=tiny_qwen2.yaml"
                           for m in ("policy", "reference", "ppo_policy")]),
     "online DPO, LoRA": ("online_dpo", ["policy", "reference", "reward", "ppo_policy"], []),
+    # issue 25's modes on CUDA: bf16 (trainer autocast, bf16 inference copies), continuous batching, packing
+    "GRPO, bf16+cb+packed": ("grpo", ["policy", "reference", "reward", "ppo_policy"],
+                             ["runtime.rollout_engine=continuous", "models.ppo_policy.packing=true",
+                              "models.reference.packing=true"]
+                             + [f"models.{m}.args_dict.bf16=true" for m in ("policy", "reference", "ppo_policy")]),
 }
 
 

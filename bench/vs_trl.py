@@ -96,7 +96,8 @@ class Workload:
 WORKLOADS = {
     "variable": Workload("variable", per_prompt=8, prompt_tokens=(8, 64), new_tokens=256, fixed_length=False,
                          micro_steps=4, bf16=cpu_has_bf16(), mean_length=64,
-                         ours=("runtime.rollout_engine=continuous",)),
+                         ours=("runtime.rollout_engine=continuous", "models.ppo_policy.packing=true",
+                               "models.ppo_policy.max_token_in_packing=1024")),
     "fixed": Workload("fixed", per_prompt=4, prompt_tokens=(16, 16), new_tokens=32, fixed_length=True,
                       micro_steps=4, bf16=False),
 }
