@@ -111,6 +111,7 @@ DECLARED_EXTRAS = {
     RuntimeConfig: {
         "seed": 42,
         "engine": "rlhf",
+        "rollout_engine": "hf",  # HEAD's default is vllm, a GPU build this project refuses (not supported yet)
         "data_shuffle": True,
         "eval_data_path": None,
         "eval_post_process_fn": None,

@@ -91,9 +91,9 @@ def test_the_policy_generates_the_same_samples_with_either_engine(tiny_model_dir
     torch.testing.assert_close(cb["logprobs"], hf["logprobs"], atol=1e-5, rtol=0)
 
 
-def engine_problems(*overrides: str) -> list[str]:
+def engine_problems(*overrides: str, config: str = DEFAULT) -> list[str]:
     try:
-        load_config(DEFAULT, overrides, [EngineChecks()])
+        load_config(config, overrides, [EngineChecks()])
     except ConfigError as exc:
         return exc.problems
     return []
@@ -115,3 +115,9 @@ def test_pipeline_stages_generate_with_hf_only():
                                "models.policy.cpu_per_process=2", "models.policy.pipeline_model_parallel_size=2")
     assert problems == ["runtime.rollout_engine: 'continuous' with models.policy.pipeline_model_parallel_size 2 "
                         "is not supported yet (pipeline stages generate with 'hf')"]
+
+
+def test_an_engine_where_no_model_generates_is_refused_not_ignored():
+    assert engine_problems("runtime.rollout_engine=continuous", config=f"{REPO}/configs/dpo.yaml") == [
+        "runtime.rollout_engine: 'continuous', but no model of the 'dpo' engine generates with a rollout engine "
+        "(only 'hf', the default, is accepted there)"]

@@ -348,20 +348,27 @@ def _lora(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], en
 
 
 def _rollout_engine(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
-    """``runtime.rollout_engine`` names a registered engine; the GPU engines' names are known and refused."""
-    from chatlearn.models.hf.rollout import GPU_ONLY_ROLLOUT_ENGINES, ROLLOUT_ENGINES
-
+    """``runtime.rollout_engine`` names an engine of the generating modules' registry (a module class with
+    ``rollout_engines``: the built-in policy's is ``chatlearn.models.hf.rollout.ROLLOUT_ENGINES``); the GPU
+    engines' names are known and refused; a value no model of the run uses is refused, not ignored."""
     name = cfg.runtime.rollout_engine
-    if name in GPU_ONLY_ROLLOUT_ENGINES:
-        return [f"runtime.rollout_engine: {name!r} needs a GPU build of {GPU_ONLY_ROLLOUT_ENGINES[name]} and is "
-                f"not supported yet; use one of {sorted(ROLLOUT_ENGINES)}"]
-    if name not in ROLLOUT_ENGINES:
-        return [f"runtime.rollout_engine: {name!r} is not a rollout engine; one of {sorted(ROLLOUT_ENGINES)}"]
+    users = [(m, cls) for m in names
+             if (cls := _module_class(m, cfg, modules, engine)) is not None and hasattr(cls, "rollout_engines")]
+    if not users:
+        return [] if name == "hf" else [
+            f"runtime.rollout_engine: {name!r}, but no model of the {engine!r} engine generates with a rollout "
+            "engine (only 'hf', the default, is accepted there)"]
     problems = []
-    for model in names:
+    for model, cls in users:
+        known = sorted(cls.rollout_engines)
+        gpu_only = getattr(cls, "gpu_only_rollout_engines", {})
+        if name in gpu_only:
+            return [f"runtime.rollout_engine: {name!r} needs a GPU build of {gpu_only[name]} and is not supported "
+                    f"yet; use one of {known}"]
+        if name not in cls.rollout_engines:
+            return [f"runtime.rollout_engine: {name!r} is not a rollout engine; one of {known}"]
         pp = cfg.models[model].pipeline_model_parallel_size or 1
-        cls = _module_class(model, cfg, modules, engine)
-        if name != "hf" and pp > 1 and cls is not None and hasattr(cls, "_generate_in_stages"):
+        if name != "hf" and pp > 1:
             problems.append(f"runtime.rollout_engine: {name!r} with models.{model}.pipeline_model_parallel_size "
                             f"{pp} is not supported yet (pipeline stages generate with 'hf')")
     return problems

@@ -12,7 +12,13 @@ from chatlearn.models.hf.common import (
     load_tokenizer,
     response_logprobs,
 )
-from chatlearn.models.hf.rollout import ROLLOUT_ENGINES, PerSampleSampler, Request, hf_generate
+from chatlearn.models.hf.rollout import (
+    GPU_ONLY_ROLLOUT_ENGINES,
+    ROLLOUT_ENGINES,
+    PerSampleSampler,
+    Request,
+    hf_generate,
+)
 
 __all__ = ["PerSampleSampler", "PolicyArgs", "PolicyInference", "response_mask_from_eos"]
 
@@ -53,6 +59,9 @@ class PolicyInference(HFModule):
     """Generates responses for prompt batches; `forward_step` samples, `eval_step` decodes greedily."""
 
     supports_pipeline = True
+    # the generation backends `runtime.rollout_engine` names (the config check reads them here)
+    rollout_engines = ROLLOUT_ENGINES
+    gpu_only_rollout_engines = GPU_ONLY_ROLLOUT_ENGINES
 
     args_schema = PolicyArgs
 
