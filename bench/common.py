@@ -11,10 +11,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def timed_run(cmd: list[str], env: dict[str, str], what: str) -> float:
-    """Run `cmd` in the repository root; returns its wall seconds, exits (showing its stderr) on failure."""
+def timed_run(cmd: list[str], env: dict[str, str], what: str, timeout: float | None = None) -> float:
+    """Run `cmd` in the repository root; returns its wall seconds, exits (showing its stderr) on failure.
+    Past `timeout` seconds the command is killed and `subprocess.TimeoutExpired` raised."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])

@@ -4,8 +4,9 @@
 micro-batches of 128), prompts of 8-64 tokens, responses up to 256 new tokens ending where EOS is drawn:
 the model's EOS row is set (once, seeded) so that the mean response is about 64 tokens with a long tail to
 the limit. bf16 where the CPU has it (AMX-BF16 or AVX512-BF16; fp32 otherwise) on both sides: ours with
-``bf16: true``, TRL with its own ``bf16=True``. TRL runs twice per round, with plain ``generate`` and with
-transformers' paged continuous batching (``use_transformers_paged``); the faster is the baseline.
+``bf16: true``, TRL with its own ``bf16=True``. TRL runs with plain ``generate`` every round, and with
+transformers' paged continuous batching (``use_transformers_paged``) in the first round (``--paged-steps``
+steps, killed past ``--paged-timeout`` seconds: far slower on this CPU); the faster is the baseline.
 
 **fixed** (the first comparison): 64 prompts x 4 samples (256 responses, 4 micro-batches of 64),
 16-token prompts, exactly 32 new tokens (EOS never drawn: ``min_new_tokens``), fp32.
@@ -271,7 +272,10 @@ def read_lengths(path: Path) -> list[int]:
 # ---- TRL: GRPOTrainer in its own process ----
 
 def run_trl(work: Path, model: Path, data: Path, steps: int, prompts: int, wl: Workload, tag: str,
-            paged: bool = False) -> dict:
+            paged: bool = False, timeout: float | None = None) -> dict | None:
+    """TRL's process; None when it ran past ``timeout`` (killed)."""
+    import subprocess
+
     from common import timed_run  # bench/ is a folder of scripts, not a package
 
     side = "trl_paged" if paged else "trl"
@@ -286,7 +290,10 @@ def run_trl(work: Path, model: Path, data: Path, steps: int, prompts: int, wl: W
         cmd.append("--paged")
     if wl.new_tokens != WORKLOADS[wl.name].new_tokens:
         cmd += ["--new-tokens", str(wl.new_tokens)]
-    wall = timed_run(cmd, env, f"TRL worker ({side})")
+    try:
+        wall = timed_run(cmd, env, f"TRL worker ({side})", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
     result = json.loads(out.read_text())
     result["wall_seconds"] = wall
     result["lengths"] = read_lengths(lengths)
@@ -481,18 +488,30 @@ def run_workload(args: argparse.Namespace, wl: Workload, work: Path) -> dict:
     built = build_model(model, wl)
     write_prompts(data, args.prompts * args.steps, wl)
     sides = {"ours": run_ours, "trl": run_trl}
+    paged_note = None
     if not wl.fixed_length:  # transformers' continuous batching only differs where lengths do
-        sides["trl_paged"] = lambda *a: run_trl(*a, paged=True)
+        # measured in the first round only, args.paged_steps steps, killed past args.paged_timeout seconds: on
+        # this CPU it is far slower than plain generate (the smoke run: 11x), so a full set of rounds would
+        # take hours; the plain one is the baseline unless it is faster
+        sides["trl_paged"] = lambda *a: run_trl(*a[:3], args.paged_steps, *a[4:], paged=True,
+                                                timeout=args.paged_timeout)
     raw: dict[str, list[dict]] = {name: [] for name in sides}
     for i in range(args.rounds):
         for name, run in sides.items():
-            raw[name].append(run(work, model, data, args.steps, args.prompts, wl, str(i)))
+            if name == "trl_paged" and i > 0:
+                continue
+            got = run(work, model, data, args.steps, args.prompts, wl, str(i))
+            if got is None:
+                paged_note = f"killed after {args.paged_timeout:.0f} s before finishing {args.paged_steps} steps"
+                print(f"{wl.name} round {i + 1}: {name}: {paged_note}", file=sys.stderr)
+                continue
+            raw[name].append(got)
             kept = raw[name][-1]["steps"][1:]
             key = "episode_seconds" if name == "ours" else "step_seconds"
             med = statistics.median(s[key] for s in kept) if kept else float("nan")
             print(f"{wl.name} round {i + 1}/{args.rounds}: {name}: {med:.2f} s per step (median of {len(kept)})",
                   file=sys.stderr)
-    medians = {name: summarise(runs, args.prompts, wl) for name, runs in raw.items()}
+    medians = {name: summarise(runs, args.prompts, wl) for name, runs in raw.items() if runs}
     base = min((k for k in medians if k != "ours"), key=lambda k: medians[k]["step_seconds"])
     ratio = {k: medians["ours"][k] / medians[base][k]
              for k in ("step_seconds", "prompts_per_second", "generated_tokens_per_second")}
@@ -510,7 +529,9 @@ def run_workload(args: argparse.Namespace, wl: Workload, work: Path) -> dict:
         "baseline": base,
         "medians": medians,
         "ratio_ours_over_baseline": ratio,
-        "rounds": [{name: raw[name][i] | {"lengths": None} for name in raw} for i in range(args.rounds)],
+        "trl_paged": paged_note or (f"first round only, {args.paged_steps} steps" if "trl_paged" in sides else None),
+        "rounds": [{name: raw[name][i] | {"lengths": None} for name in raw if i < len(raw[name])}
+                   for i in range(args.rounds)],
     }
     print_table(wl.name, result)
     return result
@@ -538,6 +559,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="episodes / steps per process (the first is warm-up)")
     p.add_argument("--prompts", type=int, default=64, help="prompts per step")
     p.add_argument("--new-tokens", type=int, default=0, help="response limit (default: the workload's)")
+    p.add_argument("--paged-steps", type=int, default=2, help="steps of the TRL paged-generation process")
+    p.add_argument("--paged-timeout", type=float, default=900, help="seconds before that process is killed")
     p.add_argument("--smoke", action="store_true", help="1 round, 2 steps, 8 prompts, 32 tokens; writes no JSON")
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--paged", action="store_true", help=argparse.SUPPRESS)
@@ -547,7 +570,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--work", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
-        args.rounds, args.steps, args.prompts, args.new_tokens = 1, 2, 8, 32
+        args.rounds, args.steps, args.prompts, args.new_tokens, args.paged_steps = 1, 2, 8, 32, 2
     if args.steps < 2 or args.prompts % 4:
         p.error("--steps must be >= 2 (the first is warm-up) and --prompts a multiple of 4")
     return args
