@@ -302,8 +302,6 @@ def run_trl(work: Path, model: Path, data: Path, steps: int, prompts: int, wl: W
 
 def trl_worker(args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
-    import resource
-
     import torch
 
     torch.set_num_threads(THREADS)
@@ -382,7 +380,10 @@ def trl_worker(args: argparse.Namespace) -> None:
     trainer = TimedGRPOTrainer(model=model, reward_funcs=trl_parity_reward, args=config, train_dataset=dataset,
                                processing_class=tokenizer, callbacks=[StepTimer()])
     trainer.train()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    sys.path.insert(0, str(BENCH))
+    from rollout import peak_rss_mb  # bench/ is a folder of scripts, not a package
+
+    peak = peak_rss_mb()  # since exec: ru_maxrss would keep the forking bench's
     Path(args.out).write_text(json.dumps({"startup_seconds": marks["train_begin"], "steps": steps,
                                           "threads": torch.get_num_threads(), "peak_memory_mb": peak}))
 

@@ -112,6 +112,11 @@ def test_online_dpo_with_lora_two_episodes(prefect_api, ray_session, tiny_model_
 
 RESUME_ARGS = [*SMALL, "runtime.save_episode_interval=1", "runtime.eval_episode_interval=0",
                "runtime.enable_eval_before_training=false"]
+# GRPO resumes through issue 25's paths: continuous batching (6 slots for 16 prompts: slots refill; responses
+# up to 12 tokens), and the reference and trainer packed, 48-token micro-batches (the global batch re-cut)
+RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.args_dict.max_num_seqs=6",
+                         "models.policy.args_dict.max_new_tokens=12", "models.reference.packing=true",
+                         "models.ppo_policy.packing=true", "models.ppo_policy.max_token_in_packing=48"]}
 
 
 def train_engine(config, out, exp, tiny_model_dir, crash=None):
@@ -123,7 +128,8 @@ def train_engine(config, out, exp, tiny_model_dir, crash=None):
     if crash:
         env["CHATLEARN_CRASH_AT"] = crash
     return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", f"configs/{config}.yaml", *RESUME_ARGS,
-                           f"runtime.exp_name={exp}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                           *RESUME_EXTRA.get(config, []), f"runtime.exp_name={exp}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
 
 
 def train_here(config, out, exp, tiny_model_dir, monkeypatch):
@@ -134,16 +140,18 @@ def train_here(config, out, exp, tiny_model_dir, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("CHATLEARN_OUTPUT_DIR", str(out))
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
-    return train_flow(config_path=f"configs/{config}.yaml", overrides=[*RESUME_ARGS, f"runtime.exp_name={exp}"])
+    return train_flow(config_path=f"configs/{config}.yaml",
+                      overrides=[*RESUME_ARGS, *RESUME_EXTRA.get(config, []), f"runtime.exp_name={exp}"])
 
 
 @pytest.mark.parametrize("config", ["grpo", "dpo", "online_dpo"])
 def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session, tiny_model_dir, tmp_path,
                                                monkeypatch, capsys):
     """A `chatlearn train` process killed while episode 2 trains, then the same run again: the uninterrupted
-    run's final policy and rows, bit for bit (online DPO with LoRA: the adapters, the base check and the merged
-    export resume too). The reference and the re-run run here, on the session's Ray (a re-run in a new process
-    of its own: tests/test_resume.py); the killed run is a process of its own, SIGKILLed."""
+    run's final policy and rows, bit for bit (GRPO: with continuous batching and packing; online DPO with LoRA:
+    the adapters, the base check and the merged export resume too). The reference and the re-run run here, on
+    the session's Ray (a re-run in a new process of its own: tests/test_resume.py); the killed run is a process
+    of its own, SIGKILLed."""
     timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths")
     train_here(config, tmp_path, "ref", tiny_model_dir, monkeypatch)
     killed = train_engine(config, tmp_path, "killed", tiny_model_dir, crash="after_generate:1")
