@@ -121,3 +121,18 @@ def test_an_engine_where_no_model_generates_is_refused_not_ignored():
     assert engine_problems("runtime.rollout_engine=continuous", config=f"{REPO}/configs/dpo.yaml") == [
         "runtime.rollout_engine: 'continuous', but no model of the 'dpo' engine generates with a rollout engine "
         "(only 'hf', the default, is accepted there)"]
+
+
+def test_slot_memory_that_held_anything_does_not_reach_the_responses(biased, monkeypatch):
+    """A slot's columns past its row's length are masked, but must also hold finite numbers: memory a process
+    reuses can hold NaN bit patterns, and a masked NaN still makes the row NaN. Allocations that come back
+    full of NaN must not change a token."""
+    model, tok = biased
+    req = make_request(tok, 10, do_sample=True, sample_ids=list(range(10)), seed=3, max_num_seqs=4)
+    with torch.no_grad():
+        want_ids, want_lp = ROLLOUT_ENGINES["continuous"](model, req)
+    real_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **k: real_empty(t, *a, **k).fill_(float("nan")))
+    with torch.no_grad():
+        got_ids, got_lp = ROLLOUT_ENGINES["continuous"](model, req)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_lp, want_lp)

@@ -167,9 +167,10 @@ class _SlotLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         shape = (self.slots.size, key_states.shape[1], self.slots.capacity, key_states.shape[3])
-        # empty, not zeros: columns past a row's length are never attended to
-        self.keys = key_states.new_empty(shape)
-        self.values = value_states.new_empty(shape[:3] + (value_states.shape[3],))
+        # zeros, not empty: a column past a row's length is masked, but a masked NaN still poisons the row
+        # (its weight is 0, and 0 * NaN is NaN), and reused memory holds whatever it held
+        self.keys = key_states.new_zeros(shape)
+        self.values = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
