@@ -439,23 +439,29 @@ def test_dpo_trainer_layouts_give_one_process_gradients(ray_session, tiny_model_
     args = {"model_path": tiny_model_dir, "lr": 1e-3, "max_grad_norm": 1e6}
     shape = {"trainable": True, "cpu_per_process": 1, "args_dict": args, **LAYOUTS[layout]}
     data = pair_batches()
-    one = DPOGradProbe("ppo_policy")
     single = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1}}, str(tmp_path))
-    one.bind(single.models["ppo_policy"], single.runtime, 0, single.runtime.seed)
-    one.setup()
-    want_stats = one.train_step([dict(mb) for mb in data], 0)
-    want = one.grads()
-    workers = start(config({"ppo_policy": shape}, str(tmp_path)), {"ppo_policy": DPOGradProbe("ppo_policy")})
-    try:
-        head = workers.groups["ppo_policy"].heads[0]
-        stats = done(head.call.remote("train_step", data, 0))
-        got = done(head.call.remote("grads"))
-    finally:
-        workers.kill()
+    want_stats, want, stats, got = one_and_replica(DPOGradProbe, single, config({"ppo_policy": shape}, str(tmp_path)),
+                                                   data)
     for key in ("dpo_loss", "reward_accuracy", "policy_grad_norm"):
         assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
     worst = max(float((got[n] - want[n]).abs().max()) for n in want)
     assert worst <= 1e-6 * max(1.0, max(float(want[n].abs().max()) for n in want)), worst
+
+
+def one_and_replica(cls, single, replica, data: list[dict]) -> tuple[dict, dict, dict, dict]:
+    """One train step of ``cls`` as ``ppo_policy`` in this process (config ``single``) and on a replica (config
+    ``replica``): (its statistics, its gradients) here, then the replica's."""
+    one = cls("ppo_policy")
+    one.bind(single.models["ppo_policy"], single.runtime, 0, single.runtime.seed)
+    one.setup()
+    want_stats = one.train_step([dict(mb) for mb in data], 0)
+    want = one.grads()
+    workers = start(replica, {"ppo_policy": cls("ppo_policy")})
+    try:
+        head = workers.groups["ppo_policy"].heads[0]
+        return want_stats, want, done(head.call.remote("train_step", data, 0)), done(head.call.remote("grads"))
+    finally:
+        workers.kill()
 
 
 class ValueGradProbe(__import__("chatlearn.models.hf.ppo_trainer", fromlist=["PPOValueTrainer"]).PPOValueTrainer):
@@ -488,19 +494,8 @@ def test_packed_layouts_give_the_padded_one_process_gradients(ray_session, tiny_
     shape = {"trainable": True, "cpu_per_process": 1, "args_dict": args, **LAYOUTS[layout]}
     single = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1,
                                     "pipeline_model_parallel_size": 1}}, str(tmp_path))
-    one = cls("ppo_policy")
-    one.bind(single.models["ppo_policy"], single.runtime, 0, single.runtime.seed)
-    one.setup()
-    want_stats = one.train_step([dict(mb) for mb in data], 0)
-    want = one.grads()
     packed = config({"ppo_policy": {**shape, "packing": True, "max_token_in_packing": 24}}, str(tmp_path))
-    workers = start(packed, {"ppo_policy": cls("ppo_policy")})
-    try:
-        head = workers.groups["ppo_policy"].heads[0]
-        stats = done(head.call.remote("train_step", data, 0))
-        got = done(head.call.remote("grads"))
-    finally:
-        workers.kill()
+    want_stats, want, stats, got = one_and_replica(cls, single, packed, data)
     keys = {"ppo": ("policy_loss", "clipfrac", "approx_kl", "policy_grad_norm"),
             "dpo": ("dpo_loss", "reward_accuracy", "policy_grad_norm"),
             "value": ("value_loss", "vf_clipfrac", "value_grad_norm")}[probe]
