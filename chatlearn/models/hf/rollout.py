@@ -60,6 +60,18 @@ class Request:
     max_num_seqs: int = 256
 
 
+def ban_eos(scores: torch.Tensor, steps: list[int], min_new_tokens: int, eos_token_id: int | None) -> torch.Tensor:
+    """``scores`` with EOS at -inf in the rows whose response step is before ``min_new_tokens`` (a copy when
+    any row is banned: the caller's scores stay as they were)."""
+    if eos_token_id is None or not min_new_tokens:
+        return scores
+    banned = torch.tensor([s < min_new_tokens for s in steps], device=scores.device)
+    if banned.any():
+        scores = scores.clone()
+        scores[banned, eos_token_id] = float("-inf")
+    return scores
+
+
 def perturb(scores: torch.Tensor, seed: int, sample_ids: list[int], steps: list[int], temperature: float,
             top_k: int, top_p: float, min_new_tokens: int, eos_token_id: int | None
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,11 +83,7 @@ def perturb(scores: torch.Tensor, seed: int, sample_ids: list[int], steps: list[
     what the trainers compute, so the drawn token's entry is the log-prob the trainer will see."""
     scores = scores.float() / temperature
     full = scores.log_softmax(-1)
-    if eos_token_id is not None and min_new_tokens:
-        banned = torch.tensor([s < min_new_tokens for s in steps], device=scores.device)
-        if banned.any():
-            scores = scores.clone()
-            scores[banned, eos_token_id] = float("-inf")
+    scores = ban_eos(scores, steps, min_new_tokens, eos_token_id)
     vocab = scores.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
@@ -276,11 +284,7 @@ def continuous_batching(model, req: Request) -> tuple[torch.Tensor, torch.Tensor
                                 req.top_k, req.top_p, req.min_new_tokens, req.eos_token_id)
             nxt = out.argmax(-1)
             return nxt, full.gather(-1, nxt[:, None]).squeeze(-1)
-        logits = logits.float()
-        banned = torch.tensor([s < req.min_new_tokens for s in steps], device=logits.device)
-        if banned.any():
-            logits[banned, req.eos_token_id] = float("-inf")
-        return logits.argmax(-1), None
+        return ban_eos(logits.float(), steps, req.min_new_tokens, req.eos_token_id).argmax(-1), None
 
     def record(rows: list[int], nxt: torch.Tensor, lp: torch.Tensor | None) -> list[int]:
         """Append each row's token; returns the positions (in ``rows``) of the sequences that ended."""
