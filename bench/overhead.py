@@ -9,34 +9,25 @@ timing. Round r plays episode r of the config's schedule for every variant (eval
 with that round's eval/checkpoint due, so all variants do the same work in a round, and over a multiple of
 the schedule's period each variant sees the default's mix of eval and plain episodes.
 
-Variants (`--variant NAME`, repeatable; default: all):
+Variants:
 
-    direct        no Prefect: the stage tasks' bodies (`task.fn`) called from the driver in the episode
-                  flow's order with the same RunHandle (its rule-reward batches are still Prefect tasks on
-                  Ray, as in every variant)
-    ray-only      no Prefect: each stage body a plain Ray task (num_cpus=0), chained as RayTaskRunner
-                  chains them: what Ray's task dispatch costs without Prefect's engine
-    prefect       `episode_flow` as the real subflow, as `chatlearn train` runs it: its stage tasks on
-                  ThreadPoolTaskRunner (since e9b5c77), with no heartbeat thread of its own
-                  (PREFECT_FLOWS_HEARTBEAT_FREQUENCY unset around the call, as flows/train_flow.py does since
-                  3813c21; the bench flow keeps its heartbeat)
-    with-heartbeat  as prefect, with the subflow's own heartbeat thread (Prefect's default; before 3813c21)
-    no-api-logs   as prefect, with PREFECT_LOGGING_TO_API_ENABLED=false
-    raytaskrunner as prefect, the stage tasks on RayTaskRunner (num_cpus=0): each a Prefect task in a Ray
-                  worker, as before e9b5c77
-    no-subflow    the six tasks submitted from the bench flow on its RayTaskRunner: no episode subflow
+    direct        no Prefect: episode_flow's body in the driver, each task's function in a thread of its own
+                  and no task run (`api_link._inline`, as a run goes on while the Prefect API is away); its
+                  rule-reward batches are still Prefect tasks on Ray, as in every variant
+    prefect       the episode as `chatlearn train` runs it: a subflow run of the bench flow (as of the train
+                  flow) with its stage and model-call task runs, its flow run created one episode ahead and its
+                  states sent in the background (`chatlearn/runtime/records/subflows.py`)
+    prefect-engine  the same subflow through Prefect's own subflow call (`api_link.call_flow`), as before
 
 Medians per variant: seconds per episode (plain episodes, eval episodes, and the schedule's mix), the
 median of the per-round difference to `direct` (same round, same work), the orchestration share
-(prefect - direct) / prefect. For the subflow variants the Prefect API's task-run timestamps split the
-overhead: subflow entry, per stage the wait before the task runs (Ray dispatch + Prefect's task engine
-before Running), Prefect's time inside the Running window beyond the body, the body's own difference to
-`direct`, and the subflow's exit. Then micro-measurements of the pieces
-(a no-op task through each path, an empty subflow with and without heartbeats, what a Prefect task does in
-a Ray worker before its body: SSL context, API client, context hydration). `--profile N` then runs N more
-`prefect` episodes under py-spy (one sampler per process: the driver and this run's idle Ray task workers,
-idle time included; the samplers slow the episode, so read shares, not seconds) and lists the functions
-the time is spent in. Prints tables and writes `bench/results/overhead.json`.
+(prefect - direct) / prefect, and the CPU seconds per episode of the driver, the Prefect server (with its
+children) and the Ray processes (actors, task workers, raylet): on this 2-core machine CPU that Prefect
+spends in the driver or the server is CPU the actors do not get. The Prefect API's task-run timestamps split
+the subflow: its entry, per stage the wait before the task runs and the body's difference to `direct`, and
+its exit. `--profile N` then runs N more `prefect` episodes under py-spy (on-CPU samples of the driver and
+of the server) and lists the groups and functions the CPU goes to. Prints tables and writes
+`bench/results/overhead.json`.
 
 Rule-reward tasks (`--rule-tasks N`, default 30; `--rule-tasks-only` runs just this, no actors, and writes
 `bench/results/rule_tasks.json`): the median per-task cost of the `rule-reward` Prefect task
@@ -46,8 +37,7 @@ interleaved round by round in one run: one task at a time (submit -> result), th
 (submit), and N at once. Then where the `RayTaskRunner` time goes: the driver's settings serialization and
 the worker's settings hydration, API clients and TLS contexts, measured one by one.
 
-    .venv/bin/python bench/overhead.py [--rounds 10] [--variant prefect --variant direct ...]
-                                       [--profile 6] [--rule-tasks 30] [key=value overrides]
+    .venv/bin/python bench/overhead.py [--rounds 10] [--profile 6] [--rule-tasks 30] [key=value overrides]
     .venv/bin/python bench/overhead.py --rule-tasks-only [--rule-tasks 30]
 """
 
@@ -69,21 +59,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 VARIANTS = {
-    "direct": "stage bodies (task.fn) from the driver, no Prefect",
-    "ray-only": "each stage body a plain Ray task, no Prefect",
-    "prefect": "episode_flow subflow as chatlearn train runs it (no own heartbeat)",
-    "with-heartbeat": "as prefect, with the subflow's own heartbeat thread",
-    "no-api-logs": "as prefect, PREFECT_LOGGING_TO_API_ENABLED=false",
-    "raytaskrunner": "as prefect, the stage tasks on RayTaskRunner (before e9b5c77)",
-    "no-subflow": "the tasks on RayTaskRunner from the bench flow, no subflow",
+    "direct": "episode_flow's body with no Prefect (no subflow, no task runs)",
+    "prefect": "the episode subflow as chatlearn train runs it (records sent in the background)",
+    "prefect-engine": "the episode through Prefect's own subflow call (before)",
 }
-SUBFLOW_VARIANTS = ("prefect", "with-heartbeat", "no-api-logs", "raytaskrunner")
+SUBFLOW_VARIANTS = ("prefect", "prefect-engine")
 STAGES = ("generate", "score", "train", "sync", "checkpoint", "eval")
 # what each stage task waits for in episode_flow (generate: the subflow's start)
 UPSTREAM = {"score": "generate", "train": "score", "sync": "train", "checkpoint": "train", "eval": "sync"}
 
 
-# ---- the no-Prefect paths (module level: the ray-only variant ships them to Ray workers by value) ----
+# ---- the no-Prefect path ----
 
 @contextlib.contextmanager
 def _no_prefect() -> Any:
@@ -98,59 +84,17 @@ def _no_prefect() -> Any:
         st.create_table_artifact = saved
 
 
-def _stage_in_worker(stage: str, *args: Any) -> Any:
-    """One stage body in a Ray worker (ray-only variant)."""
-    with _no_prefect() as st:
-        fn = st.evaluate.fn if stage == "eval" else getattr(st, stage).fn
-        return fn(*args)
-
-
-def _episode_metrics(consumed: int, gen: Any, tr: dict, sy: dict, ck: dict, ev: dict | None) -> dict[str, Any]:
-    """What episode_flow returns that the bench reads: samples consumed, trainer iteration, stage seconds."""
-    timing = {"generate": gen.meta["seconds"], "score": None, "train": tr["seconds"], "sync": sy["seconds"],
-              "checkpoint": ck["seconds"]}
-    if ev is not None:
-        timing["eval"] = ev["seconds"]
-    return {"consumed_samples": consumed + gen.meta["num_samples"], "iteration": tr["iteration"],
-            "stage_seconds": timing}
-
-
 def direct_episode(run: Any, episode: int, consumed: int, iteration: int) -> dict[str, Any]:
-    """episode_flow's body with the tasks' own functions, in its order, in this process."""
-    from chatlearn.runtime.schedule import every
+    """episode_flow's body in this process with no task runs: each task's function in a thread of its own, as
+    the train flow runs an episode while the Prefect API is away (`api_link._inline`)."""
+    from prefect.context import FlowRunContext
 
-    with _no_prefect() as st:
-        gen = st.generate.fn(run, episode, consumed)
-        exp = st.score.fn(run, gen)
-        tr = st.train.fn(run, exp, episode, iteration)
-        sy = st.sync.fn(run, episode, tr)
-        ck = st.checkpoint.fn(run, episode, tr)
-        ev = st.evaluate.fn(run, episode, sy, tr) if every(run.eval_episode_interval, episode) else None
-    metrics = _episode_metrics(consumed, gen, tr, sy, ck, ev)
-    metrics["stage_seconds"]["score"] = exp.meta["seconds"]
-    return metrics
+    from chatlearn.runtime.records import api_link
+    from flows.episode_flow import episode_runner
 
-
-def ray_only_episode(remote: Any, run: Any, episode: int, consumed: int, iteration: int) -> dict[str, Any]:
-    """The stage bodies as plain Ray tasks, all submitted at once and chained by ObjectRefs (as RayTaskRunner
-    chains its tasks: sync and checkpoint after train, eval after sync)."""
-    import ray
-
-    from chatlearn.runtime.schedule import every
-
-    def submit(stage: str, *args: Any) -> Any:
-        return remote.options(name=stage).remote(stage, *args)
-
-    gen = submit("generate", run, episode, consumed)
-    exp = submit("score", run, gen)
-    tr = submit("train", run, exp, episode, iteration)
-    sy = submit("sync", run, episode, tr)
-    ck = submit("checkpoint", run, episode, tr)
-    ev = submit("eval", run, episode, sy, tr) if every(run.eval_episode_interval, episode) else None
-    gen, exp, tr, sy, ck = ray.get([gen, exp, tr, sy, ck])
-    metrics = _episode_metrics(consumed, gen, tr, sy, ck, ray.get(ev) if ev is not None else None)
-    metrics["stage_seconds"]["score"] = exp.meta["seconds"]
-    return metrics
+    with _no_prefect():
+        return api_link._inline(episode_runner(run.plan), FlowRunContext.get(), (run, episode, consumed, iteration),
+                                {})
 
 
 # ---- the measurement ----
@@ -172,11 +116,15 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def task_split(client: Any, flow_run_id: Any, call: tuple[float, float], stages: dict[str, float]) -> dict:
+def task_split(client: Any, name: str, call: tuple[float, float], stages: dict[str, float]) -> dict:
     """One subflow's overhead split from the API's timestamps (client-side clocks of this machine)."""
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterFlowRunId
 
-    fr = client.read_flow_run(flow_run_id)
+    found = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+    if len(found) != 1:
+        return {}
+    fr = found[0]
+    flow_run_id = fr.id
     trs = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
     by_stage: dict[str, Any] = {}
     rule = []
@@ -219,7 +167,8 @@ def summarize(samples: dict[str, list[dict]], eval_n: int | None) -> dict[str, A
                              "stage_body_seconds": {st: median([s["stages"].get(st) for s in rows])
                                                     for st in STAGES},
                              "overhead_vs_bodies": median([s["wall"] - sum(v for v in s["stages"].values() if v)
-                                                           for s in rows])}
+                                                           for s in rows]),
+                             "cpu": {k: median([s["cpu"][k] for s in rows]) for k in rows[0]["cpu"]}}
         if "direct" in by_round and name != "direct":
             diffs = [s["wall"] - by_round["direct"][s["round"]]["wall"] for s in rows
                      if s["round"] in by_round["direct"]]
@@ -294,50 +243,6 @@ def _micro_in_worker(ctx: dict, reps: int) -> dict[str, float]:
             "settings_context": _timed(settings, reps),
             "settings_context_and_get_client": _timed(client, reps),
             "hydrated_context": _timed(hydrate, reps)}
-
-
-def micro(run: Any, reps: int) -> dict[str, float]:
-    """Per-call costs, medians (seconds), measured inside the bench flow (a flow run context is current)."""
-    import cloudpickle
-    import ray
-    from prefect import flow, task
-    from prefect.cache_policies import NO_CACHE
-    from prefect.context import SettingsContext, serialize_context
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect_ray import RayTaskRunner
-    from prefect_ray.context import remote_options
-
-    import flows.stage_tasks as st
-
-    @task(name="noop", cache_policy=NO_CACHE)
-    def noop(run: Any) -> int:
-        return 0
-
-    @flow(name="empty", task_runner=RayTaskRunner(), validate_parameters=False)
-    def empty(run: Any) -> int:
-        return 0
-
-    def plain(run: Any) -> int:
-        return 0
-
-    plain_remote = ray.remote(num_cpus=0, max_retries=0)(plain)
-    ctx = serialize_context()
-    out = {"noop_plain_ray_task": _timed(lambda: ray.get(plain_remote.remote(run)), reps)}
-    with remote_options(num_cpus=0, max_retries=0):
-        out["noop_prefect_task_on_ray"] = _timed(lambda: noop.submit(run).result(), reps)
-    out["noop_prefect_task_in_thread"] = _timed(lambda: noop(run), reps)
-    out["empty_subflow"] = _timed(lambda: empty(run), max(3, reps // 2))
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        out["empty_subflow_no_heartbeat"] = _timed(lambda: empty(run), max(3, reps // 2))
-    out["driver_serialize_context"] = _timed(serialize_context, reps)
-    out["driver_serialize_settings_context"] = _timed(lambda: SettingsContext.get().serialize(), reps)
-    out.update({f"serialized_{k}_pickle_bytes": len(cloudpickle.dumps(v)) for k, v in ctx.items() if v})
-    out["driver_pickle_task_object"] = _timed(lambda: cloudpickle.dumps(st.generate), reps)
-    out["task_object_pickle_bytes"] = len(cloudpickle.dumps(st.generate))
-    out["serialized_context_pickle_bytes"] = len(cloudpickle.dumps(ctx))
-    worker = ray.get(ray.remote(num_cpus=0, max_retries=0)(_micro_in_worker).remote(ctx, reps))
-    out.update({f"worker_{k}": v for k, v in worker.items()})
-    return out
 
 
 # ---- rule-reward Prefect tasks on Ray: prefect-ray's runner against the warm one ----
@@ -449,39 +354,74 @@ def rule_tasks_only(n: int) -> dict[str, Any]:
             ray.shutdown()
 
 
-# ---- py-spy: where the time goes ----
+# ---- CPU: who spends it ----
 
-PROFILE_RATE = 50
-
-
-def _ray_task_workers(root: int) -> list[int]:
-    """This process's idle Ray task workers (`ray::IDLE` descendants), where the Prefect tasks will run."""
-    parent, names = {}, {}
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = defaultdict(list)
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+        if d.name.isdigit():
+            try:
+                kids[int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return kids
+
+
+def _tree(root: int, kids: dict[int, list[int]]) -> list[int]:
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids.get(pid, []))
+    return out
+
+
+def server_pid() -> int | None:
+    """The local Prefect server's pid (`chatlearn.runtime.records.prefect_server`'s state file)."""
+    from chatlearn.runtime.records.prefect_server import prefect_home
+
+    try:
+        return json.loads((prefect_home() / "server.json").read_text()).get("pid")
+    except (OSError, ValueError):
+        return None
+
+
+def process_groups() -> dict[str, list[int]]:
+    """The driver (this process), the Prefect server and its children, and the Ray processes under this one
+    (actors, task workers, raylet, GCS)."""
+    kids = _children()
+    server = server_pid()
+    served = _tree(server, kids) if server else []
+    return {"driver": [os.getpid()], "prefect server": served,
+            "ray (actors, workers, raylet)": [p for p in _tree(os.getpid(), kids) if p != os.getpid()
+                                              and p not in served]}
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
         try:
-            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            names[int(d.name)] = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
         except (OSError, IndexError, ValueError):
             continue
+    return total / tick
 
-    def under(pid: int) -> bool:
-        while pid > 1:
-            pid = parent.get(pid, 0)
-            if pid == root:
-                return True
-        return False
 
-    return [pid for pid, name in names.items() if name.startswith("ray::IDLE") and under(pid)]
+# ---- py-spy: where the orchestration's CPU goes ----
+
+PROFILE_RATE = 100
 
 
 def start_samplers(out: Path) -> list[tuple[Any, Path, str]]:
-    """One `py-spy record` per process (driver, idle task workers): non-blocking, idle time included."""
+    """`py-spy record` (on-CPU samples only) on the driver and on the Prefect server with its children."""
     spies = []
-    for pid, kind in [(os.getpid(), "driver"), *((p, "worker") for p in _ray_task_workers(os.getpid()))]:
+    server = server_pid()
+    for pid, kind in [(os.getpid(), "driver"), *([(server, "server")] if server else [])]:
         path = out / f"pyspy-{kind}-{pid}.txt"
-        proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "py-spy"), "record", "--pid", str(pid), "--idle",
+        extra = ["--subprocesses"] if kind == "server" else []
+        proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "py-spy"), "record", "--pid", str(pid), *extra,
                                  "--nonblocking", "-r", str(PROFILE_RATE), "-f", "raw", "-o", str(path)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         spies.append((proc, path, kind))
@@ -499,81 +439,48 @@ def stop_samplers(spies: list[tuple[Any, Path, str]]) -> list[tuple[Path, str]]:
     return [(path, kind) for _, path, kind in spies if path.exists()]
 
 
-# Each sample goes to the first group whose pattern occurs in its stack (most specific first).
-WORKER_GROUPS = [
-    ("TLS context for a new API client (ssl.create_default_context)", ("create_default_context",)),
-    ("API client objects (get_client, SyncClientContext)", ("get_client (", "SyncPrefectClient.__init__",
-                                                            "SyncClientContext")),
-    ("settings rebuilt from the serialized context (pydantic-settings)", ("BaseSettings", "SettingsContext")),
-    ("rest of context hydration (hydrated_context)", ("hydrated_context",)),
-    ("walking the parameters (visit_collection)", ("visit_collection",)),
-    ("states and events (set_state, emit)", ("set_state", "emit_task_run_state_change_event", "EventsWorker")),
-    ("Ray argument deserialization", ("deserializ",)),
-]
-DRIVER_GROUPS = [
-    ("heartbeat thread join at subflow exit", ("_send_heartbeats",)),
-    ("waiting on task results (ray.get: bodies and workers)", ("Worker.get_objects", "PrefectRayFuture.wait",
-                                                               "PrefectRayFuture.result")),
-    ("serialize_context per task submit", ("serialize_context",)),
-    ("cloudpickle / Ray submit of each task", ("RemoteFunction._remote", "Pickler")),
-    ("HTTP round trips to the API (flow run create, states)", ("httpcore", "httpx", "HTTP11Connection")),
-    ("walking the parameters (visit_collection)", ("visit_collection",)),
+# Each on-CPU sample goes to the first group whose pattern occurs in its stack (most specific first).
+GROUPS = [
+    ("flow run API calls (create, read, name, states)", ("flow_engine.py", "create_flow_run", "set_flow_run_state")),
+    ("task runs: Prefect's task engine", ("task_engine.py",)),
+    ("task runs: submit and futures", ("task_runners.py", "futures.py")),
+    ("events worker (task run states as events)", ("events/", "EventsWorker")),
+    ("logs to the API", ("APILogWorker", "logging/handlers.py")),
+    ("artifacts", ("artifacts.py",)),
+    ("HTTP (httpx, httpcore)", ("httpx", "httpcore")),
+    ("Ray calls and waits", ("ray/_private/worker.py", "ray/_raylet", "ray/remote_function.py", "actor.py")),
 ]
 
 
-def _group(frames: list[str], groups: list[tuple[str, tuple[str, ...]]]) -> str:
-    for label, patterns in groups:
+def _group(frames: list[str]) -> str:
+    for label, patterns in GROUPS:
         if any(p in f for f in frames for p in patterns):
             return label
     return "other"
 
 
-def profile_table(files: list[tuple[Path, str]], episodes: int, top: int = 30) -> dict[str, Any]:
-    """Inclusive seconds per episode of Prefect/Ray-side functions, from py-spy's raw (collapsed) stacks:
-    the driver's thread that called the subflow, and the Ray workers that ran the Prefect tasks (the stage
-    bodies' own frames and what they call are left out)."""
-    driver: dict[str, float] = defaultdict(float)
-    worker: dict[str, float] = defaultdict(float)
-    groups: dict[str, dict[str, float]] = {"driver": defaultdict(float), "worker": defaultdict(float)}
-    totals = {"driver_in_subflow": 0.0, "worker_in_task": 0.0, "worker_in_body": 0.0}
-    body_names = {"generate", "score", "train", "sync", "checkpoint", "evaluate", "rule_reward"}
-
-    def is_body(frame: str) -> bool:
-        name, _, where = frame.partition(" (")
-        return name in body_names and ("flows/stage_tasks.py" in where or "flows/rule_tasks.py" in where)
-
-    lines = [(line, kind) for path, kind in files for line in path.read_text().splitlines()]
-    for line, kind in lines:
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        seconds = int(count) / PROFILE_RATE / episodes
-        frames = stack.split(";")
-        if kind == "worker" and any("_run_prefect_task" in f for f in frames):
-            totals["worker_in_task"] += seconds
-            cut = next((i for i, f in enumerate(frames) if is_body(f)), None)
-            if cut is not None:
-                totals["worker_in_body"] += seconds
-                continue  # the body and what it calls: not orchestration
-            groups["worker"][_group(frames, WORKER_GROUPS)] += seconds
-            bucket = worker
-        elif kind == "driver" and any("prefect_call (" in f for f in frames):
-            totals["driver_in_subflow"] += seconds
-            groups["driver"][_group(frames, DRIVER_GROUPS)] += seconds
-            bucket = driver
-        else:
-            continue
-        for f in set(frames):
-            name = f.split(" (")[0]
-            where = f.split(" (")[-1].rstrip(")")
-            if "site-packages/" in where:
-                where = where.split("site-packages/")[1]
-            bucket[f"{name} ({where.split(':')[0]})"] += seconds
-    return {"samplers": {kind: sum(1 for _, k in files if k == kind) for kind in ("driver", "worker")},
-            "totals_seconds_per_episode": totals,
+def profile_table(files: list[tuple[Path, str]], episodes: int, top: int = 25) -> dict[str, Any]:
+    """On-CPU seconds per episode by process, by group and by function (inclusive), from py-spy's raw
+    (collapsed) stacks."""
+    totals: dict[str, float] = defaultdict(float)
+    groups: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    funcs: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for path, kind in files:
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            seconds = int(count) / PROFILE_RATE / episodes
+            frames = stack.split(";")
+            totals[kind] += seconds
+            groups[kind][_group(frames)] += seconds
+            for f in set(frames):
+                name, _, where = f.partition(" (")
+                where = where.rstrip(")").split("site-packages/")[-1].split(":")[0]
+                funcs[kind][f"{name} ({where})"] += seconds
+    return {"cpu_seconds_per_episode": dict(totals),
             "groups": {k: sorted(v.items(), key=lambda kv: -kv[1]) for k, v in groups.items()},
-            "driver_top": sorted(driver.items(), key=lambda kv: -kv[1])[:top],
-            "worker_top": sorted(worker.items(), key=lambda kv: -kv[1])[:top]}
+            "top": {k: sorted(v.items(), key=lambda kv: -kv[1])[:top] for k, v in funcs.items()}}
 
 
 # ---- main ----
@@ -586,8 +493,6 @@ def main(argv: list[str]) -> dict:
                         help="a variant to run (repeatable; default: all)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="then N more `prefect` episodes under py-spy (0: none)")
-    parser.add_argument("--micro-reps", type=int, default=10, help="repetitions of each micro-measurement "
-                        "(0: skip them)")
     parser.add_argument("--rule-tasks", type=int, default=30, metavar="N", help="rule-reward tasks per runner and "
                         "round in the rule-task measurement (0: skip it)")
     parser.add_argument("--rule-tasks-only", action="store_true", help="only the rule-task measurement (no actors, "
@@ -620,86 +525,92 @@ def main(argv: list[str]) -> dict:
     import cloudpickle
     import ray
     from prefect import flow, get_client
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
-    from prefect_ray import RayTaskRunner
-    from prefect_ray.context import remote_options
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     from chatlearn.checkpoint.resume import data_checkpoint_dir
     from chatlearn.config import load_config
     from chatlearn.runtime.cluster.launch import init_ray, launch
     from chatlearn.runtime.prepared import prepare_run
+    from chatlearn.runtime.records import api_link
     from chatlearn.runtime.records.prefect_server import local_prefect_api
+    from chatlearn.runtime.records.subflows import Subflows
     from chatlearn.runtime.weights.sync import sync_routes
-    from flows.episode_flow import episode_flow
+    from flows.episode_flow import episode_name, episode_runner
 
     cfg = load_config(None, [f"runtime.output_dir={out}", "runtime.exp_name=overhead", *args.overrides])
     prepared = prepare_run(cfg)
     eng = prepared.engine
     rt = cfg.runtime
-    on_ray = episode_flow.with_options(task_runner=RayTaskRunner())
 
-    def prefect_call(name: str, run: Any, ep: int, consumed: int, it: int) -> tuple[dict, Any]:
-        settings: dict[Any, Any] = {}
-        if name != "with-heartbeat":  # as flows/train_flow.py calls the episode subflow
-            settings[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
-        if name == "no-api-logs":
-            settings[PREFECT_LOGGING_TO_API_ENABLED] = False
-        fl = on_ray if name == "raytaskrunner" else episode_flow
-        with contextlib.ExitStack() as stack:
-            if settings:
-                stack.enter_context(temporary_settings(settings))
-            if name == "raytaskrunner":  # as episode_flow submitted its tasks on RayTaskRunner
-                stack.enter_context(remote_options(num_cpus=0, max_retries=0))
-            state = fl(run, ep, consumed, it, return_state=True)
-        return state.result(), state.state_details.flow_run_id
+    def prefect_call(name: str, run: Any, ep: int, consumed: int, it: int, next_ep: int | None,
+                     subflows: dict[str, Any]) -> dict:
+        if name == "prefect-engine":  # Prefect's own subflow call, as flows/train_flow.py made it before
+            with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                return api_link.call_flow(episode_runner(run.plan), (run, ep, consumed, it))
+        episodes = subflows.setdefault(name, Subflows(episode_runner(run.plan)))  # as flows/train_flow.py
+        return episodes(episode_name(ep), {"run": run, "episode": ep, "consumed_samples": consumed,
+                                           "start_iteration": it},
+                        next_name=episode_name(next_ep) if next_ep is not None else None)
 
-    def one(name: str, run: Any, remote: Any, ep: int, consumed: int, it: int) -> tuple[float, dict, Any]:
+    def one(name: str, run: Any, ep: int, consumed: int, it: int, next_ep: int | None,
+            subflows: dict[str, Any]) -> tuple[float, dict, Any, dict]:
+        groups = process_groups()
+        cpu0 = {k: cpu_seconds(v) for k, v in groups.items()}
         t0 = time.time()
-        flow_run_id = None
-        if name == "direct":
-            metrics = direct_episode(run, ep, consumed, it)
-        elif name == "ray-only":
-            metrics = ray_only_episode(remote, run, ep, consumed, it)
-        elif name == "no-subflow":
-            metrics = episode_flow.fn(run, ep, consumed, it)
-        else:
-            metrics, flow_run_id = prefect_call(name, run, ep, consumed, it)
-        return time.time() - t0, metrics, (t0, time.time(), flow_run_id)
+        metrics = (direct_episode(run, ep, consumed, it) if name == "direct"
+                   else prefect_call(name, run, ep, consumed, it, next_ep, subflows))
+        t1 = time.time()
+        cpu = {k: cpu_seconds(v) - cpu0[k] for k, v in groups.items()}
+        return t1 - t0, metrics, (t0, t1, f"episode-{ep + 1}"), cpu
 
-    @flow(name="bench-overhead", task_runner=RayTaskRunner(), validate_parameters=False)
+    @flow(name="bench-overhead", validate_parameters=False)
     def bench_flow() -> dict:
         with launch(prepared, data_checkpoint_dir(cfg)) as (run, groups, stream):
             sync_routes(run.sync_routes, run.actor, concurrent=run.concurrent_comm,
                         max_workers=run.param_sync_max_workers)
-            remote = ray.remote(num_cpus=0, max_retries=0)(_stage_in_worker)
             sizes = {"run_handle_json_bytes": len(run.model_dump_json()),
                      "run_handle_pickle_bytes": len(cloudpickle.dumps(run))}
-            state = {"ep": -1, "consumed": rt.consumed_samples, "it": 0}
+            state = {"consumed": rt.consumed_samples, "it": 0}
+            # made here, not in a closure of this flow's: Ray pickles the flow by value with every rule task
+            subflows: dict[str, Any] = {}
             samples: dict[str, list[dict]] = {n: [] for n in names}
             calls: dict[str, list[tuple]] = {n: [] for n in names}
 
-            def play(name: str, rnd: int) -> dict:
+            # the whole schedule first: which variant plays which episode (the next one a variant plays is
+            # known in advance, as in a run: its subflow's flow run is created during the one before)
+            schedule: list[tuple[str, int, str]] = [(n, 0, "warm-up") for n in names]
+            for rnd in range(args.rounds):
+                schedule += [(n, rnd, "round") for n in names[rnd % len(names):] + names[:rnd % len(names)]]
+            schedule += [("prefect", i, "profile") for i in range(args.profile)]
+            eps, last = [], -1
+            for _, rnd, _ in schedule:
                 want = (bool(rt.eval_episode_interval) and (rnd + 1) % rt.eval_episode_interval == 0,
                         bool(rt.save_episode_interval) and (rnd + 1) % rt.save_episode_interval == 0)
-                ep = due_episode(state["ep"], want, rt.eval_episode_interval, rt.save_episode_interval)
-                wall, metrics, call = one(name, run, remote, ep, state["consumed"], state["it"])
-                state.update(ep=ep, consumed=metrics["consumed_samples"], it=metrics["iteration"])
-                return {"round": rnd, "episode": ep, "wall": wall, "eval": want[0], "checkpoint": want[1],
-                        "stages": metrics["stage_seconds"], "call": call}
+                last = due_episode(last, want, rt.eval_episode_interval, rt.save_episode_interval)
+                eps.append((last, want))
 
-            for name in names:  # warm-up: Ray task workers, imports, first flow of each kind; not counted
-                play(name, 0)
-                print(f"warm-up {name} done", file=sys.stderr)
-            for rnd in range(args.rounds):
-                order = names[rnd % len(names):] + names[:rnd % len(names)]
-                for name in order:
-                    s = play(name, rnd)
+            def play(i: int) -> dict:
+                name, rnd, _ = schedule[i]
+                ep, want = eps[i]
+                next_ep = next((eps[j][0] for j in range(i + 1, len(schedule)) if schedule[j][0] == name), None)
+                wall, metrics, call, cpu = one(name, run, ep, state["consumed"], state["it"], next_ep, subflows)
+                state.update(consumed=metrics["consumed_samples"], it=metrics["iteration"])
+                return {"round": rnd, "episode": ep, "wall": wall, "eval": want[0], "checkpoint": want[1],
+                        "stages": metrics["stage_seconds"], "cpu": cpu, "call": call}
+
+            profiled = [i for i, (_, _, kind) in enumerate(schedule) if kind == "profile"]
+            for i, (name, rnd, kind) in enumerate(schedule):
+                if kind == "warm-up":  # Ray task workers, imports, first flow of each kind; not counted
+                    play(i)
+                    print(f"warm-up {name} done", file=sys.stderr)
+                elif kind == "round":
+                    s = play(i)
                     calls[name].append(s.pop("call"))
                     samples[name].append(s)
-                line = " ".join(f"{n}={samples[n][-1]['wall']:.2f}" for n in names)
-                print(f"round {rnd + 1}/{args.rounds}: {line}", file=sys.stderr)
+                    if all(len(samples[n]) == rnd + 1 for n in names):
+                        line = " ".join(f"{n}={samples[n][-1]['wall']:.2f}" for n in names)
+                        print(f"round {rnd + 1}/{args.rounds}: {line}", file=sys.stderr)
 
-            pieces = micro(run, args.micro_reps) if args.micro_reps else None
             rule = next((run.rule_rewards[n.model] for n in run.plan.scorers if n.model in run.rule_rewards), None)
             rule_tasks = rule_task_costs(rule, args.rule_tasks) if rule is not None and args.rule_tasks else None
             profile = None
@@ -707,20 +618,18 @@ def main(argv: list[str]) -> dict:
                 spies = start_samplers(out)
                 time.sleep(2.0)  # py-spy attaches
                 t0 = time.time()
-                for i in range(args.profile):
-                    play("prefect", i)
+                for i in profiled:
+                    play(i)
                 prof_seconds = time.time() - t0
                 files = stop_samplers(spies)
                 profile = profile_table(files, args.profile) if files else {"error": "py-spy wrote nothing"}
                 profile["episodes"] = args.profile
                 profile["episode_seconds_under_profiler"] = prof_seconds / args.profile
                 profile["raw"] = [str(p) for p, _ in files]
-            return {"samples": samples, "calls": calls, "sizes": sizes, "profile": profile, "micro": pieces,
-                    "rule_tasks": rule_tasks}
+            return {"samples": samples, "calls": calls, "sizes": sizes, "profile": profile, "rule_tasks": rule_tasks}
 
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
-    # the API first: Ray's workers inherit its URL (the ray-only variant's score stage, in a worker, submits
-    # rule-reward Prefect tasks too); Ray before the bench flow: its RayTaskRunner reuses it
+    # the API first: Ray's workers inherit its URL (rule-reward Prefect tasks run in them)
     with local_prefect_api(announce=lambda m: print(m, file=sys.stderr)):
         started = init_ray(cfg, namespace, list(eng.modules))
         try:
@@ -746,7 +655,7 @@ def main(argv: list[str]) -> dict:
     path.write_text(json.dumps({
         "rounds": args.rounds, "overrides": args.overrides, "machine": f"{os.cpu_count()} CPUs",
         "variants": {n: {"what": VARIANTS[n], **result[n]} for n in names}, "split": split,
-        "sizes": data["sizes"], "result_files_persisted": persisted, "micro": data["micro"],
+        "sizes": data["sizes"], "result_files_persisted": persisted,
         "profile": data["profile"], "rule_tasks": data["rule_tasks"],
         "samples": samples}, indent=1, default=str))
     print(f"wrote {path.relative_to(REPO)}")
@@ -768,6 +677,11 @@ def report(result: dict, split: dict, data: dict, persisted: int, args: Any) -> 
     print("(mix: plain and eval medians weighted by the config's eval schedule; -direct: median of the per-round "
           "difference to direct; share: (mix - direct mix) / mix; wall-bodies: episode wall minus its stage "
           "bodies' seconds)")
+    print("\nCPU seconds per episode, medians (user + system, /proc)")
+    kinds = list(next(iter(result.values()))["cpu"])
+    print(f"{'variant':24s} " + " ".join(f"{k:>30s}" for k in kinds))
+    for name, r in result.items():
+        print(f"{name:24s} " + " ".join(f"{_f(r['cpu'][k], '30.3f')}" for k in kinds))
     for name, s in split.items():
         if not s:
             continue
@@ -785,29 +699,18 @@ def report(result: dict, split: dict, data: dict, persisted: int, args: Any) -> 
           "Running window minus the body; body-dir: the body's seconds minus direct's)")
     print(f"\nRunHandle: {data['sizes']['run_handle_json_bytes']} bytes as JSON, "
           f"{data['sizes']['run_handle_pickle_bytes']} pickled; result files persisted: {persisted}")
-    if data.get("micro"):
-        print("\nthe pieces, medians (ms): per call, inside the bench flow; worker_*: in an idle Ray task worker")
-        for k, v in data["micro"].items():
-            print(f"  {k:44s} {v if k.endswith('bytes') else 1000 * v:9.1f}")
     if data.get("rule_tasks"):
         rule_task_report(data["rule_tasks"])
     prof = data.get("profile")
-    if prof and "totals_seconds_per_episode" in prof:
+    if prof and "cpu_seconds_per_episode" in prof:
         print(f"\npy-spy over {prof['episodes']} prefect episodes ({prof['episode_seconds_under_profiler']:.2f} "
-              f"s/episode under the profiler; samplers: {prof['samplers']}), inclusive seconds per episode, idle "
-              f"included")
-        for k, v in prof["totals_seconds_per_episode"].items():
-            print(f"  {k:24s} {v:7.3f}")
-        for kind, title in (("driver", "driver thread in the subflow call"),
-                            ("worker", "Ray task workers, outside the stage bodies")):
-            total = sum(v for _, v in prof["groups"][kind]) or 1.0
-            print(f"  {title}: by group (seconds/episode under the profiler, share)")
+              f"s/episode under the profiler), on-CPU seconds per episode")
+        for kind, total in prof["cpu_seconds_per_episode"].items():
+            print(f"  {kind}: {total:.3f} s/episode, by group:")
             for label, v in prof["groups"][kind]:
-                print(f"    {v:7.3f} {100 * v / total:5.1f}%  {label}")
-        for title, key in (("driver (the subflow call)", "driver_top"),
-                           ("Ray task workers (outside the stage bodies)", "worker_top")):
-            print(f"  {title}:")
-            for fn, sec in prof[key][:15]:
+                print(f"    {v:7.3f} {100 * v / (total or 1):5.1f}%  {label}")
+            print(f"  {kind}: functions (inclusive):")
+            for fn, sec in prof["top"][kind][:20]:
                 print(f"    {sec:7.3f}  {fn}")
 
 

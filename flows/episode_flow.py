@@ -21,12 +21,17 @@ from chatlearn.runtime.plan import EpisodePlan
 from chatlearn.runtime.records.api_link import keeps_result
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
+from flows.model_calls import unwalked
 from flows.stage_tasks import checkpoint, evaluate, generate, score, sync, train
 
 
-def _run_name() -> str:
+def episode_name(episode: int) -> str:
     """`episode-N` counted from 1, as the terminal and the errors count (`episode` is the 0-based index)."""
-    return f"episode-{flow_run.parameters['episode'] + 1}"
+    return f"episode-{episode + 1}"
+
+
+def _run_name() -> str:
+    return episode_name(flow_run.parameters["episode"])
 
 
 STAGES = 6
@@ -39,15 +44,16 @@ STAGES = 6
 @keeps_result  # called through api_link.call_flow: an episode is never lost or run twice for the Prefect API
 def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int) -> dict[str, Any]:
     """Run one episode; returns its metrics (small numbers only)."""
-    rollouts = generate.submit(run, episode, consumed_samples)
-    experience = score.submit(run, rollouts)
-    trained = train.submit(run, experience, episode, start_iteration)
-    synced = sync.submit(run, episode, trained)
+    rollouts = generate.submit(*unwalked([run, episode, consumed_samples]))
+    experience = score.submit(*unwalked([run, rollouts]))
+    trained = train.submit(*unwalked([run, experience, episode, start_iteration]))
+    synced = sync.submit(*unwalked([run, episode, trained]))
     # one stage at a time after train: a model replica of several processes runs collectives (FSDP gathers,
     # tensor-parallel forward), and two stages' calls reaching its ranks in different orders deadlock them
-    saved = checkpoint.submit(run, episode, trained, wait_for=[synced])
+    saved = checkpoint.submit(*unwalked([run, episode, trained]), wait_for=[synced])
     eval_due = run.plan.evaluator is not None and every(run.eval_episode_interval, episode)
-    evaluated = evaluate.submit(run, episode, synced, trained, wait_for=[saved]) if eval_due else None
+    evaluated = (evaluate.submit(*unwalked([run, episode, synced, trained]), wait_for=[saved]) if eval_due
+                 else None)
     rollouts.wait()
     crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
     kill_point("after_generate", episode, run.run_dir)  # for recovery tests: a model process dies here

@@ -16,6 +16,8 @@ from typing import Any
 import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
+from prefect.utilities.annotations import opaque, quote
 
 from chatlearn.data.batch import merge_batches
 from chatlearn.runtime.calls.handles import Call, RefBox, RunHandle
@@ -96,6 +98,16 @@ def model_call(run: RunHandle, flow: ComputeFlow, node: FlowNode, index: int, up
                    for c, v in zip(calls, values, strict=True)], node=index)
 
 
+def unwalked(value: Any) -> Any:
+    """A task argument Prefect does not walk: a future is waited for and its result passed as is (`opaque`),
+    anything else passed as is (`quote`); a list is taken item by item. Prefect otherwise walks every argument
+    of a task run twice (its inputs, then its futures), through the RunHandle's and the batches' every field:
+    most of its task engine's CPU in the driver (`bench/overhead.py`)."""
+    if isinstance(value, list):
+        return [unwalked(v) for v in value]
+    return opaque(value) if isinstance(value, PrefectFuture) else quote(value)
+
+
 def batch_refs(upstream: list[RefBox], i: int) -> list[Any]:
     """Batch ``i`` of every upstream call."""
     return [u.refs[i] for u in upstream]
@@ -114,7 +126,7 @@ def run_calls(run: RunHandle, flow: ComputeFlow, nodes: list[int], done: dict[in
             # the producer reads the dataset (its prompt batches), not an upstream result
             upstream = [futures[j] if j in futures else done[j] for j in flow.nodes[i].inputs
                         if j in futures or j in done]
-            futures[i] = model_call.submit(run, flow, flow.nodes[i], i, upstream, batches, stage)
+            futures[i] = model_call.submit(*unwalked([run, flow, flow.nodes[i], i, upstream, batches, stage]))
         for i, future in futures.items():
             results[i] = future.result()
     except BaseException:

@@ -202,7 +202,7 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     metrics = eval_metrics(results, context, run.eval_post_process_fn)
     examples = [{"prompt": r.get("prompt"), "response": r.get("response"), "score": r.get("scores")}
                 for r in results[:8]]
-    api_link.send(create_table_artifact, key=artifact_key(run.exp_name, "eval-examples"), table=examples,
+    api_link.post(create_table_artifact, key=artifact_key(run.exp_name, "eval-examples"), table=examples,
                   description=f"eval responses after episode {episode + 1}" if episode >= 0
                   else "eval responses before training")
     return {"metrics": metrics, "examples": examples, "seconds": clock.seconds()}

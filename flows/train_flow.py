@@ -23,7 +23,6 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.context import FlowRunContext
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
 from chatlearn.checkpoint.model_checkpoint import restore_rng_state
@@ -51,11 +50,12 @@ from chatlearn.runtime.records.profiling import EpisodeInstruments
 from chatlearn.runtime.records.reporting import EpisodeReporter, RunArtifacts, artifact_key, json_safe
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.runtime.records.run_record import claim_run_dir
+from chatlearn.runtime.records.subflows import Subflows
 from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.faults import crash_point
 from chatlearn.utils.storage import writing
-from flows.episode_flow import episode_runner
+from flows.episode_flow import episode_name, episode_runner
 from flows.pins import check_run
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
@@ -314,19 +314,20 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
         print(f"eval before training: eval_reward_mean={initial_eval:.4g}")
     released_before = _released_bytes(groups, run.stage_timeout_s)
     hosts = [h for g in groups.values() for h in g.actors]  # every rank of every model: ChatLearn's episode hooks
-    run_episode = episode_runner(run.plan)
+    # each episode a subflow run of this flow run, its flow run created one episode ahead (the first: now)
+    episodes = Subflows(episode_runner(run.plan))
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
             progress.episode = episode
             crash_point("episode_start", episode)
-            # no heartbeat thread of the episode's own: a sync subflow joins it on exit, and it sleeps in 1 s
-            # steps (up to 1 s an episode, ../shared/reference/prefect_ray.md); the train flow's heartbeat still
-            # tells Prefect the run is alive
             wait([h.before_episode.remote() for h in hosts], "before_episode", run.stage_timeout_s)
-            with instruments.episode(episode), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                # a subflow; inside the train flow run while the Prefect API is away (api_link)
-                metrics = api_link.call_flow(run_episode, (run, episode, consumed, iteration))
+            with instruments.episode(episode):
+                # a subflow (records sent in the background); inside the train flow run while the Prefect API is
+                # away (api_link)
+                metrics = episodes(episode_name(episode), {"run": run, "episode": episode, "consumed_samples": consumed,
+                                                           "start_iteration": iteration},
+                                   next_name=episode_name(episode + 1) if episode + 1 < rt.num_episode else None)
             wait([h.after_episode.remote() for h in hosts], "after_episode", run.stage_timeout_s)
             consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
             if initial_eval is not None and episode == 0:
@@ -345,17 +346,18 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
                 path = commit_data_checkpoint(cfg, store, metrics)
                 record_progress(cfg, episode + 1)
                 progress.committed = True
-                api_link.send(
+                api_link.post(
                     create_markdown_artifact, key=reporter.artifact_key("data-checkpoint"),
                     markdown=f"latest data checkpoint of **{rt.exp_name}**: episode {episode + 1}, trainer "
                              f"iteration {metrics['iteration']}, `{path}`",
                     description="where a re-run of this config resumes from",
                 )
             if progress_id is not None:
-                api_link.send(update_progress_artifact, progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
-            artifacts.update(reporter.rows)
+                api_link.post(update_progress_artifact, progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
+            api_link.post(artifacts.update, list(reporter.rows))  # the curve is drawn there too
             last = metrics
     finally:
+        episodes.close()
         reporter.close()
     if run.plan.export:
         path = run_dir / "final" / "policy"

@@ -52,6 +52,10 @@ def prefect_api():
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
+    from chatlearn.runtime.records.prefect_server import SERVER_TUNING
+
+    for key, value in SERVER_TUNING.items():  # the harness's server too, as `chatlearn train` starts its own
+        os.environ.setdefault(key, value)
     with prefect_test_harness(server_startup_timeout=120), temporary_settings(
         {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
     ):

@@ -126,3 +126,56 @@ def test_outside_a_watched_run_a_flow_is_a_plain_call(monkeypatch):
     assert call_flow(body, (1,)) == 2
     with pytest.raises(httpx.ConnectError):
         call_flow(body, invoke=lambda: (_ for _ in ()).throw(_connect_error()))
+
+
+def test_posted_calls_run_in_order_in_the_posting_context_and_never_hold_the_caller(link):
+    import contextvars
+    import threading
+    import time
+
+    link, said = link
+    where = contextvars.ContextVar("where", default="none")
+    gate, seen = threading.Event(), []
+
+    def slow(tag):
+        gate.wait(5)  # an API that answers late
+        seen.append((tag, where.get(), threading.current_thread().name))
+
+    where.set("episode 1")
+    t0 = time.perf_counter()
+    api_link.post(slow, "a")
+    where.set("episode 2")
+    api_link.post(lambda tag: seen.append((tag, where.get(), threading.current_thread().name)), "b")
+    assert time.perf_counter() - t0 < 0.5 and seen == []  # the caller went on
+    assert not link.flush(timeout=0.2)  # still held by the slow call
+    gate.set()
+    assert link.flush(timeout=5)
+    assert seen == [("a", "episode 1", "prefect-api-post"), ("b", "episode 2", "prefect-api-post")]
+
+    def dies():
+        raise _connect_error()
+
+    api_link.post(dies)  # the API failing a posted call: an outage, as for `send`
+    api_link.post(lambda: seen.append("skipped while down"))
+    assert link.flush(timeout=5)
+    assert not link.up and link.skipped == 2 and "failed a call (ConnectError)" in said[0]
+    assert seen[-1] != "skipped while down"
+
+
+def test_the_plain_task_runner_hands_the_function_values_not_annotations():
+    from prefect import task
+    from prefect.utilities.annotations import opaque, quote
+
+    from chatlearn.runtime.records.api_link import _PlainTaskRunner
+    from flows.model_calls import unwalked
+
+    @task
+    def add(a, b, items):
+        return a["x"] + b + sum(items)
+
+    with _PlainTaskRunner(max_workers=2) as runner:
+        first = runner.submit(add, {"a": quote({"x": 1}), "b": 2, "items": [3]})
+        args = unwalked([{"x": 10}, first, [first, 4]])
+        assert isinstance(args[0], quote) and isinstance(args[1], opaque) and isinstance(args[2][0], opaque)
+        second = runner.submit(add, dict(zip(["a", "b", "items"], args, strict=True)))
+        assert first.result() == 6 and second.result() == 10 + 6 + 6 + 4

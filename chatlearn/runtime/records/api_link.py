@@ -13,7 +13,8 @@ while a run is watched (`watch`, entered by the train flow):
   away in the middle of a subflow, the body's result is kept and returned: the episode is never run twice, so
   the run ends with the undisturbed run's weights, bit for bit;
 - `send` makes the calls that only inform (artifacts): skipped while the API is down, dropped if they fail
-  with it;
+  with it; `post` queues such a call for one background thread that sends them in order, so the episode loop
+  never waits on the API for them (each runs in the context it was posted from: its flow run, its settings);
 - one warning line says the API is gone and one that it is back. What Prefect itself says about the outage
   stays off the terminal: the flow engine's tracebacks of connection errors (`chatlearn train` keeps them in
   ``run_dir/chatlearn.log``), the events worker's failures and the log worker's "Error logging to API";
@@ -27,7 +28,9 @@ directory whatever the API did.
 import contextlib
 import contextvars
 import functools
+import itertools
 import logging
+import queue
 import sys
 import threading
 import time
@@ -44,6 +47,7 @@ from prefect.exceptions import PrefectHTTPStatusError
 from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.logging.handlers import APILogWorker
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import opaque, quote
 from prefect.utilities.collections import visit_collection
 
 _POLL_S = 1.0
@@ -102,6 +106,9 @@ class ApiLink:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="prefect-api-link", daemon=True)
+        self._posts: queue.PriorityQueue[Any] = queue.PriorityQueue()
+        self._posted = itertools.count()  # order within a lane
+        self._poster: threading.Thread | None = None
         self._filter = _OutageFilter(self)
         self._raise_exceptions = logging.raiseExceptions
 
@@ -111,7 +118,8 @@ class ApiLink:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = _DRAIN_S) -> None:
+        self.flush(drain_s)
         self._stop.set()
         self._thread.join(timeout=5)
         for handler in _console_handlers():
@@ -180,6 +188,37 @@ class ApiLink:
             return None
 
 
+    def post(self, call: Callable[..., Any], *args: Any, urgent: bool = False, **kwargs: Any) -> None:
+        """`send` ``call`` from the poster thread, in this context, after what was posted before in its lane:
+        ``urgent`` calls (the states of runs: the API stamps a state when it gets it) before the others
+        (artifacts)."""
+        with self._lock:
+            if self._poster is None:
+                self._poster = threading.Thread(target=self._post_loop, name="prefect-api-post", daemon=True)
+                self._poster.start()
+        self._posts.put((0 if urgent else 1, next(self._posted), (contextvars.copy_context(), call, args, kwargs)))
+
+    def flush(self, timeout: float = _DRAIN_S) -> bool:
+        """Wait up to ``timeout`` s for what was posted to be sent (or dropped); True when nothing is left."""
+        done = threading.Event()
+        if self._poster is None:
+            return True
+        self._posts.put((2, next(self._posted), done))
+        return done.wait(timeout)
+
+    def _post_loop(self) -> None:
+        while True:
+            _, _, item = self._posts.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            ctx, call, args, kwargs = item
+            try:
+                ctx.run(self.send, call, *args, **kwargs)
+            except Exception as exc:  # an informing call's own bug: one line, the run goes on
+                logging.getLogger("chatlearn").warning("a Prefect API call failed: %s: %s", type(exc).__name__, exc)
+
+
 _current: ApiLink | None = None
 
 
@@ -190,6 +229,15 @@ def current() -> ApiLink | None:
 def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """An informing Prefect call (an artifact) through the watched link, or as is outside a watched run."""
     return _current.send(call, *args, **kwargs) if _current is not None else call(*args, **kwargs)
+
+
+def post(call: Callable[..., Any], *args: Any, urgent: bool = False, **kwargs: Any) -> None:
+    """An informing Prefect call that nothing waits for: sent in the background, in order, through the watched
+    link (`ApiLink.post`); made at once outside a watched run."""
+    if _current is not None:
+        _current.post(call, *args, urgent=urgent, **kwargs)
+    else:
+        call(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -295,6 +343,16 @@ def _resolved(value: Any) -> Any:
     return value.result() if isinstance(value, PrefectFuture) else value
 
 
+def _plain(value: Any) -> Any:
+    """A task argument as the task's function gets it: quoted and opaque ones (`flows.model_calls.unwalked`)
+    unwrapped, futures waited for."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, (quote, opaque)):
+        return _resolved(value.unwrap())
+    return visit_collection(value, visit_fn=_resolved, return_data=True)
+
+
 class _PlainTaskRunner(ThreadPoolTaskRunner):
     """A task's function in a thread, with no task run: while the API is away there is nothing to record one
     in, and Prefect's task engine would ask the API for the state of every future it is passed. The futures
@@ -305,7 +363,7 @@ class _PlainTaskRunner(ThreadPoolTaskRunner):
         def run() -> Any:
             for future in wait_for or ():
                 future.wait()
-            return task.fn(**visit_collection(parameters, visit_fn=_resolved, return_data=True))
+            return task.fn(**{k: _plain(v) for k, v in parameters.items()})
 
         future = self._executor.submit(contextvars.copy_context().run, run)
         return PrefectConcurrentFuture(task_run_id=uuid.uuid4(), wrapped_future=future)

@@ -129,6 +129,18 @@ class ServerSettings:
         return f"host {self.host}, port {self.port or 'any'}, {'with' if self.auth else 'without'} authentication"
 
 
+# Task runs reach the server as events (Pending, Running, Completed each), which its task run recorder writes to
+# the database. By default it writes each event in a transaction of its own: about 45 ms of server CPU per task
+# run here, on the cores the model processes train on (an episode of the default has about 17 task runs). In
+# batches of up to 100, flushed every second: about 15 ms (`bench/overhead.py`); the UI shows a task run's state
+# up to a second later.
+SERVER_TUNING = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+}
+
+
 def _start_server(timeout: float, port: int | None = None, host: str = LOOPBACK,
                   auth: str | None = None) -> tuple[int, str]:
     home = prefect_home()
@@ -139,6 +151,8 @@ def _start_server(timeout: float, port: int | None = None, host: str = LOOPBACK,
     ui_api = public_url(url, host)
     env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_SERVER_UI_API_URL=ui_api, PREFECT_UI_API_URL=ui_api)
+    for key, value in SERVER_TUNING.items():  # what this shell sets wins
+        env.setdefault(key, value)
     env.pop("PREFECT_API_URL", None)
     env.pop("PREFECT_SERVER_API_AUTH_STRING", None)  # basic auth exactly when asked for (ServerSettings.auth)
     if auth:

@@ -1,0 +1,191 @@
+"""Calls of a flow as subflow runs of the current flow run, recorded without the caller waiting on the API.
+
+Prefect's own subflow call makes seven API round trips around its body, one after the other: the parent's task
+run standing for the subflow, a search for an earlier one, the flow run, its read-back, its name, Running,
+then Completed. At the embedded default that was 0.3-0.4 s of a 2-3 s episode (`bench/overhead.py`). Here
+the subflow's records are the same (a flow run named ``episode-N`` under a task run of the parent, its
+parameters, Running and a final state with their times, its stage and call task runs under it, its logs), but
+the caller never waits for them:
+
+- the flow run of call N+1 is created while call N runs (the API assigns a flow run's id, and task runs can
+  only be recorded under a flow run that exists);
+- its body runs in a flow-run context of that run, so the task runs it submits record under it as they do in
+  a Prefect subflow;
+- its states go to the API through the link's background poster (`api_link.post`), ahead of the artifacts
+  there. The API stamps a state when it receives it, so the subflow's start and end times in the UI are late by
+  the poster's queue and the API's answer (`bench/overhead.py` reports it as the subflow's entry); its task
+  runs' times are their own.
+
+Prefect's engine does more around a subflow (retries, timeouts, hooks, pause/suspend, result persistence);
+the flows run here use none of them. While the API is away the body runs inline in the parent's flow run, with
+no task runs (`api_link`), as before; a flow run created ahead and never run is cancelled.
+"""
+
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from prefect import Flow, Task
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import FlowRun
+from prefect.context import FlowRunContext
+from prefect.logging.loggers import flow_run_logger
+from prefect.results import get_result_store
+from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.states import Cancelled, Completed, Crashed, Failed, Pending, Running, State
+
+from chatlearn.runtime.records import api_link
+
+_PREPARE_WAIT_S = 30.0  # a created-ahead flow run not there by then: the call runs inline (the API is slow or away)
+
+
+@dataclass
+class _Prepared:
+    name: str
+    flow_run: FlowRun
+    task_run_id: UUID  # the parent's task run standing for the subflow (the node in the parent's graph)
+
+
+class Subflows:
+    """Calls of ``flow`` as subflow runs of the flow run current at each call, each flow run named by its
+    caller (see the module's doc)."""
+
+    def __init__(self, flow: Flow):
+        self.flow = flow
+        self._ahead: dict[str, concurrent.futures.Future] = {}
+        self._serialized: dict[int, tuple[Any, Any]] = {}  # id -> (object, its JSON form): the same RunHandle
+
+    def prepare(self, name: str) -> None:
+        """Create the flow run of a later call named ``name``, in the background."""
+        parent = FlowRunContext.get()
+        link = api_link.current()
+        if parent is None or parent.flow_run is None or link is None or not link.up or name in self._ahead:
+            return
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._ahead[name] = future
+        link.post(self._create, parent.flow_run.id, name, future, urgent=True)
+
+    def __call__(self, name: str, parameters: dict[str, Any], next_name: str | None = None) -> Any:
+        """Run the flow's body with ``parameters`` as the subflow run ``name``; ``next_name``: the next call's,
+        whose flow run is then created while this one runs."""
+        parent = FlowRunContext.get()
+        link = api_link.current()
+        if parent is None or link is None:  # outside a watched flow run: Prefect's own (sub)flow call, with no
+            # heartbeat thread of its own (a sync subflow joins it on exit: up to 1 s, prefect_ray.md)
+            with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                return self.flow.with_options(flow_run_name=name)(**parameters)
+        self.prepare(name)
+        prepared = self._take(name)
+        if next_name is not None:
+            self.prepare(next_name)
+        if prepared is None or not link.up:
+            return api_link._inline(self.flow, parent, (), parameters)
+        return self._run(parent, prepared, parameters)
+
+    def close(self) -> None:
+        """Cancel the flow runs created ahead that no call ran (the run stopped or failed first)."""
+        for future in self._ahead.values():
+            api_link.post(_cancel, future, urgent=True)  # posted after its creation: done by then, or it failed
+        self._ahead.clear()
+
+    # ---- inside ----
+
+    def _take(self, name: str) -> _Prepared | None:
+        future = self._ahead.pop(name, None)
+        if future is None:
+            return None
+        try:
+            return future.result(timeout=_PREPARE_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            logging.getLogger("chatlearn").warning("the Prefect API took over %.0f s to create %s's flow run; it "
+                                                   "runs inside the parent flow run", _PREPARE_WAIT_S, name)
+            return None
+
+    def _create(self, parent_id: UUID, name: str, future: concurrent.futures.Future) -> None:
+        """In the poster thread: the parent's task run for the subflow, then the subflow's flow run."""
+        try:
+            client = _client()
+            tracking = Task(name=self.flow.name, fn=self.flow.fn, version=self.flow.version)
+            task_run = client.create_task_run(tracking, flow_run_id=parent_id, dynamic_key=name, name=name,
+                                              state=Pending())
+            flow_run = client.create_flow_run(self.flow, name=name, parameters={}, parent_task_run_id=task_run.id,
+                                              state=Pending())
+            future.set_result(_Prepared(name, flow_run, task_run.id))
+        except BaseException as exc:
+            future.set_result(None)
+            raise exc
+
+    def _run(self, parent: FlowRunContext, prepared: _Prepared, parameters: dict[str, Any]) -> Any:
+        flow_run = prepared.flow_run
+        flow_run.parameters = parameters
+        api_link.post(self._start, prepared, parameters, Running(), urgent=True)
+        logger = flow_run_logger(flow_run=flow_run, flow=self.flow)
+        logger.info("Beginning subflow run %r for flow %r", flow_run.name, self.flow.name)
+        try:
+            with self.flow.task_runner.duplicate() as runner, FlowRunContext(
+                    flow=self.flow, flow_run=flow_run, parameters=parameters, client=parent.client,
+                    result_store=get_result_store().update_for_flow(self.flow, _sync=True),
+                    task_runner=runner, persist_result=False, log_prints=parent.log_prints):
+                result = self.flow.fn(**parameters)
+        except Exception as exc:
+            state: State = Failed(message=f"Flow run encountered an exception: {type(exc).__name__}: {exc}")
+            api_link.post(_set_states, prepared, state, urgent=True)
+            logger.error("Finished in state %s", state)
+            raise
+        except BaseException as exc:  # a stop (SIGTERM, KeyboardInterrupt): the process is going away
+            state = Crashed(message=f"Execution was interrupted: {type(exc).__name__}")
+            api_link.post(_set_states, prepared, state, urgent=True)
+            raise
+        state = Completed()
+        api_link.post(_set_states, prepared, state, urgent=True)
+        logger.info("Finished in state %s", state)
+        return result
+
+
+    def _start(self, prepared: _Prepared, parameters: dict[str, Any], running: State) -> None:
+        """In the poster thread: the parameters (a flow run created ahead has none yet), then Running."""
+        _client().update_flow_run(prepared.flow_run.id, parameters={k: self._json(v) for k, v in parameters.items()})
+        _set_states(prepared, running)
+
+    def _json(self, value: Any) -> Any:
+        """``value`` as the flow run's parameters show it; an object passed again (the RunHandle: 8 KB of JSON)
+        is serialized once."""
+        if isinstance(value, (int, float, str, bool, type(None))):
+            return value
+        kept = self._serialized.get(id(value))
+        if kept is None or kept[0] is not value:
+            kept = self._serialized[id(value)] = (value, self.flow.serialize_parameters({"v": value})["v"])
+        return kept[1]
+
+
+_local = threading.local()
+
+
+def _client() -> Any:
+    """The poster thread's API client for the API current in this context, kept between calls (a client is an
+    HTTP connection pool and a TLS context: about 15 ms to make)."""
+    url = PREFECT_API_URL.value()
+    kept = getattr(_local, "client", None)
+    if kept is None or kept[0] != url:
+        if kept is not None:
+            kept[1].__exit__(None, None, None)
+        client = get_client(sync_client=True)
+        client.__enter__()
+        _local.client = kept = (url, client)
+    return kept[1]
+
+
+def _cancel(future: concurrent.futures.Future) -> None:
+    prepared = future.result(timeout=0) if future.done() else None
+    if prepared is not None:
+        _set_states(prepared, Cancelled(message="not run: the parent run ended first"))
+
+
+def _set_states(prepared: _Prepared, state: State) -> None:
+    """The subflow's flow run and the parent's task run standing for it, to ``state``."""
+    client = _client()
+    client.set_flow_run_state(prepared.flow_run.id, state, force=True)
+    client.set_task_run_state(prepared.task_run_id, state.model_copy(), force=True)
