@@ -79,11 +79,11 @@ class Subflows:
                 return self.flow.with_options(flow_run_name=name)(**parameters)
         self.prepare(name)
         prepared = self._take(name)
-        if next_name is not None:
-            self.prepare(next_name)
         if prepared is None or not link.up:
+            if next_name is not None:
+                self.prepare(next_name)
             return api_link._inline(self.flow, parent, (), parameters)
-        return self._run(parent, prepared, parameters)
+        return self._run(parent, prepared, parameters, next_name)
 
     def close(self) -> None:
         """Cancel the flow runs created ahead that no call ran (the run stopped or failed first)."""
@@ -118,10 +118,13 @@ class Subflows:
             future.set_result(None)
             raise exc
 
-    def _run(self, parent: FlowRunContext, prepared: _Prepared, parameters: dict[str, Any]) -> Any:
+    def _run(self, parent: FlowRunContext, prepared: _Prepared, parameters: dict[str, Any],
+             next_name: str | None) -> Any:
         flow_run = prepared.flow_run
         flow_run.parameters = parameters
         api_link.post(self._start, prepared, parameters, Running(), urgent=True)
+        if next_name is not None:  # after this one's Running: the API stamps the state when it gets it
+            self.prepare(next_name)
         logger = flow_run_logger(flow_run=flow_run, flow=self.flow)
         logger.info("Beginning subflow run %r for flow %r", flow_run.name, self.flow.name)
         try:
