@@ -3,10 +3,13 @@
 The six stage tasks only dispatch to the model actors, which hold the real resources and do the work on Ray;
 so the tasks themselves run on a `ThreadPoolTaskRunner` in the train flow's process (the Ray driver). As
 Prefect tasks on `RayTaskRunner` each one cost 0.10-0.18 s before its body ran (a Ray worker building
-Prefect's API client and settings per task; `bench/overhead.py`), about 1 s an episode, against about 10 ms in
-a thread. Stateless work of an episode (rule rewards) is fanned out as Prefect tasks on Ray with its own
+Prefect's API client and settings per task; an earlier `bench/overhead.py`), about 1 s an episode, against
+about 10 ms in a thread. Stateless work of an episode (rule rewards) is fanned out as Prefect tasks on Ray with its own
 CPUs, on a runner that keeps Prefect's settings and client per Ray worker (`flows/ray_tasks.py`, about 12 ms a
 task).
+
+The train flow runs it through `chatlearn.runtime.records.subflows.Subflows`: a subflow run whose records
+(flow run, states) are sent in the background, so the episode never waits on the Prefect API.
 """
 
 from typing import Any
@@ -18,7 +21,6 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from chatlearn.runtime.calls.handles import RunHandle
 from chatlearn.runtime.calls.recovery import kill_point
 from chatlearn.runtime.plan import EpisodePlan
-from chatlearn.runtime.records.api_link import keeps_result
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
 from flows.model_calls import unwalked
@@ -41,7 +43,6 @@ STAGES = 6
 # thread for each call of the engine's flows
 @flow(name="episode", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=STAGES),
       validate_parameters=False)
-@keeps_result  # called through api_link.call_flow: an episode is never lost or run twice for the Prefect API
 def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int) -> dict[str, Any]:
     """Run one episode; returns its metrics (small numbers only)."""
     rollouts = generate.submit(*unwalked([run, episode, consumed_samples]))
