@@ -19,7 +19,10 @@ and what packing gains over padding in a real trainer step.
 Options are interleaved round by round; medians are reported. One torch thread by default (a model process
 runs ``cpu_per_process`` threads, 1 unless set); on a machine shared with other work the numbers are noisy.
 
-    .venv/bin/python bench/packing.py [--rounds 3] [--threads 1] [--sizes 2048,4096,8192]
+    .venv/bin/python bench/packing.py [--rounds 3] [--threads 1] [--sizes 2048,4096,8192] [--memory-only]
+
+3. Each variant's trainer step in a fresh process: its peak RSS above what the process held before the step
+   (``--memory-only`` runs just this).
 
 Writes ``bench/results/packing.json``.
 """
@@ -212,23 +215,82 @@ def time_steps(path: str, rounds: int, samples: int = 64, micro: int = 8) -> dic
     return out
 
 
+VARIANTS = {"padded": (False, 0), "packed-1024": (True, 1024), "packed-4096": (True, 4096)}
+
+
+def _status_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def memory_worker(variant: str, path: str, out: str, samples: int = 64, micro: int = 8) -> None:
+    """In a process of its own: the GRPO trainer's step on the bench's global batch; the step's peak RSS above
+    what the process held before it (VmHWM reset through /proc/self/clear_refs after a first step)."""
+    packing, budget = VARIANTS[variant]
+    data = global_batch(samples, 1)
+    mbs = [collate_samples(data[i:i + micro]) for i in range(0, samples, micro)]
+    trainer = module(GRPOPolicyTrainer, path, packing, budget, True)
+    trainer.train_step([dict(mb) for mb in mbs], 0)  # optimizer state and allocator pools exist from here on
+    before = _status_mb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    trainer.train_step([dict(mb) for mb in mbs], 1)
+    Path(out).write_text(json.dumps({"rss_before_mb": before, "step_peak_mb": _status_mb("VmHWM")}))
+
+
+def step_memory(path: str) -> list[dict]:
+    """Each variant's train-step peak RSS, each in a fresh process (one thread)."""
+    import os
+    import subprocess
+
+    rows = []
+    for variant in VARIANTS:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            subprocess.run([sys.executable, __file__, "--memory-worker", variant, path, f.name], check=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+            got = json.loads(Path(f.name).read_text())
+        row = {"variant": variant, **got, "step_above_before_mb": got["step_peak_mb"] - got["rss_before_mb"]}
+        rows.append(row)
+        print(f"  {variant:12s} RSS before the step {row['rss_before_mb']:7.0f} MB, peak in the step "
+              f"{row['step_peak_mb']:7.0f} MB (+{row['step_above_before_mb']:.0f})", flush=True)
+    return rows
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--memory-worker"]:
+        memory_worker(*sys.argv[2:5])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sizes", default="2048,4096,8192")
+    ap.add_argument("--memory-only", action="store_true", help="only the train step's peak RSS per variant "
+                    "(merged into the existing results file)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.memory_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = str(ensure_tiny_model(Path(tmp) / "tiny", {"max_position_embeddings": 512}))
+            print("GRPO trainer step on 64 samples, peak RSS, each variant in its own process:")
+            memory = step_memory(path)
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        results["step_memory"] = memory
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {RESULTS.relative_to(REPO)}")
+        return
     print(f"attention on one packed row, forward + backward (median of {args.rounds}, {args.threads} thread(s)):")
     attention = time_attention([int(s) for s in args.sizes.split(",")], args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(ensure_tiny_model(Path(tmp) / "tiny", {"max_position_embeddings": 512}))
         print("GRPO trainer step and reference scoring on 64 samples, padded against packed:")
         steps = time_steps(path, args.rounds)
+        print("GRPO trainer step on 64 samples, peak RSS, each variant in its own process:")
+        memory = step_memory(path)
     torch.set_num_threads(args.threads)  # the modules set their own thread count
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
-                                   "attention": attention, "step": steps}, indent=2) + "\n")
+                                   "attention": attention, "step": steps, "step_memory": memory}, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(REPO)}")
 
 
