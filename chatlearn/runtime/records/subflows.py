@@ -147,7 +147,6 @@ class Subflows:
         logger.info("Finished in state %s", state)
         return result
 
-
     def _start(self, prepared: _Prepared, parameters: dict[str, Any], running: State) -> None:
         """In the poster thread: the parameters (a flow run created ahead has none yet), then Running."""
         _client().update_flow_run(prepared.flow_run.id, parameters={k: self._json(v) for k, v in parameters.items()})
