@@ -497,6 +497,8 @@ def main(argv: list[str]) -> dict:
                         "round in the rule-task measurement (0: skip it)")
     parser.add_argument("--rule-tasks-only", action="store_true", help="only the rule-task measurement (no actors, "
                         "no episodes); writes bench/results/rule_tasks.json")
+    parser.add_argument("--nice-server", type=int, default=0, metavar="N",
+                        help="run the local Prefect server at this niceness (0: as started)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     names = args.variant or list(VARIANTS)
@@ -631,6 +633,9 @@ def main(argv: list[str]) -> dict:
     namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
     # the API first: Ray's workers inherit its URL (rule-reward Prefect tasks run in them)
     with local_prefect_api(announce=lambda m: print(m, file=sys.stderr)):
+        if args.nice_server:
+            for pid in process_groups()["prefect server"]:
+                os.setpriority(os.PRIO_PROCESS, pid, args.nice_server)
         started = init_ray(cfg, namespace, list(eng.modules))
         try:
             data = bench_flow()
