@@ -358,6 +358,8 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             last = metrics
     finally:
         episodes.close()
+        # what the episodes posted is sent (or dropped) while Ray is still up: it holds Ray handles
+        api_link.flush()
         reporter.close()
     if run.plan.export:
         path = run_dir / "final" / "policy"

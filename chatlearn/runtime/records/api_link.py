@@ -217,6 +217,10 @@ class ApiLink:
                 ctx.run(self.send, call, *args, **kwargs)
             except Exception as exc:  # an informing call's own bug: one line, the run goes on
                 logging.getLogger("chatlearn").warning("a Prefect API call failed: %s: %s", type(exc).__name__, exc)
+            finally:
+                # let go of what the call held (a flow run's context, Ray handles in it) here and now: released
+                # after Ray shut down, from this thread, a Ray handle ends the process (exit status 1, no message)
+                del item, ctx, call, args, kwargs
 
 
 _current: ApiLink | None = None
@@ -229,6 +233,11 @@ def current() -> ApiLink | None:
 def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """An informing Prefect call (an artifact) through the watched link, or as is outside a watched run."""
     return _current.send(call, *args, **kwargs) if _current is not None else call(*args, **kwargs)
+
+
+def flush(timeout: float = _DRAIN_S) -> bool:
+    """Wait up to ``timeout`` s for the posted calls of the watched run (see `ApiLink.flush`)."""
+    return _current.flush(timeout) if _current is not None else True
 
 
 def post(call: Callable[..., Any], *args: Any, urgent: bool = False, **kwargs: Any) -> None:

@@ -90,6 +90,7 @@ class Subflows:
         for future in self._ahead.values():
             api_link.post(_cancel, future, urgent=True)  # posted after its creation: done by then, or it failed
         self._ahead.clear()
+        self._serialized.clear()
 
     # ---- inside ----
 
@@ -121,7 +122,6 @@ class Subflows:
     def _run(self, parent: FlowRunContext, prepared: _Prepared, parameters: dict[str, Any],
              next_name: str | None) -> Any:
         flow_run = prepared.flow_run
-        flow_run.parameters = parameters
         api_link.post(self._start, prepared, parameters, Running(), urgent=True)
         if next_name is not None:  # after this one's Running: the API stamps the state when it gets it
             self.prepare(next_name)
