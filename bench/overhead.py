@@ -206,7 +206,7 @@ def split_summary(splits: list[dict], samples: list[dict], direct: list[dict] | 
     return out
 
 
-# ---- micro-measurements of the pieces ----
+# ---- what a Prefect task costs in a Ray worker, piece by piece (the rule-task measurement) ----
 
 def _timed(fn: Any, reps: int) -> float:
     """Median seconds of `fn()` over `reps` calls, after one untimed call."""

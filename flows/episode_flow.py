@@ -4,9 +4,9 @@ The six stage tasks only dispatch to the model actors, which hold the real resou
 so the tasks themselves run on a `ThreadPoolTaskRunner` in the train flow's process (the Ray driver). As
 Prefect tasks on `RayTaskRunner` each one cost 0.10-0.18 s before its body ran (a Ray worker building
 Prefect's API client and settings per task; an earlier `bench/overhead.py`), about 1 s an episode, against
-about 10 ms in a thread. Stateless work of an episode (rule rewards) is fanned out as Prefect tasks on Ray with its own
-CPUs, on a runner that keeps Prefect's settings and client per Ray worker (`flows/ray_tasks.py`, about 12 ms a
-task).
+about 10 ms in a thread. Stateless work of an episode (rule rewards) is fanned out as Prefect tasks on Ray with
+its own CPUs, on a runner that keeps Prefect's settings and client per Ray worker (`flows/ray_tasks.py`, about
+12 ms a task).
 
 The train flow runs it through `chatlearn.runtime.records.subflows.Subflows`: a subflow run whose records
 (flow run, states) are sent in the background, so the episode never waits on the Prefect API.

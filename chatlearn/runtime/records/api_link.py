@@ -8,10 +8,11 @@ while a run is watched (`watch`, entered by the train flow):
 - a thread asks the API's ``/health`` every second. If the run started the local server itself
   (`chatlearn.runtime.records.prefect_server`), a dead one is started again on the same port and database, and
   the UI catches up; otherwise the run goes on without the API until it answers again;
-- a flow called through `call_flow` (each episode) runs as a subflow while the API answers, and inline in
-  the parent's flow run (the same body and tasks, no subflow of its own) while it does not. When the API goes
-  away in the middle of a subflow, the body's result is kept and returned: the episode is never run twice, so
-  the run ends with the undisturbed run's weights, bit for bit;
+- an episode (`chatlearn.runtime.records.subflows`) runs as a subflow while the API answers, and inline in the
+  parent's flow run (the same body and tasks, no subflow of its own: `_inline`) while it does not; its records
+  are posted (below), so the API going away mid-episode costs them, never the episode's result. A flow called
+  through `call_flow` (the train and eval flows) keeps its body's result when the API fails to record its final
+  state: nothing is run twice, so the run ends with the undisturbed run's weights, bit for bit;
 - `send` makes the calls that only inform (artifacts): skipped while the API is down, dropped if they fail
   with it; `post` queues such a call for one background thread that sends them in order, so the episode loop
   never waits on the API for them (each runs in the context it was posted from: its flow run, its settings);
@@ -186,7 +187,6 @@ class ApiLink:
             self.down(f"failed a call ({type(exc).__name__})")
             self.skipped += 1
             return None
-
 
     def post(self, call: Callable[..., Any], *args: Any, urgent: bool = False, **kwargs: Any) -> None:
         """`send` ``call`` from the poster thread, in this context, after what was posted before in its lane:
