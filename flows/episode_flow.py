@@ -20,6 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from chatlearn.runtime.calls.handles import RunHandle
 from chatlearn.runtime.calls.recovery import kill_point
+from chatlearn.runtime.pipeline import EpisodeGate
 from chatlearn.runtime.plan import EpisodePlan
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
@@ -43,9 +44,16 @@ STAGES = 6
 # thread for each call of the engine's flows
 @flow(name="episode", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=STAGES),
       validate_parameters=False)
-def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int) -> dict[str, Any]:
-    """Run one episode; returns its metrics (small numbers only)."""
+def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int | None,
+                 gate: EpisodeGate | None = None) -> dict[str, Any]:
+    """Run one episode; returns its metrics (small numbers only). A pipelined episode (`gate`, started ahead by
+    `chatlearn.runtime.pipeline`) generates, then waits for the episode before it to finish, which gives it the
+    trainer iteration to start from."""
     rollouts = generate.submit(*unwalked([run, episode, consumed_samples]))
+    if gate is not None:
+        rollouts.result()  # raises what generate raised
+        gate.generated()
+        start_iteration = gate.wait()
     experience = score.submit(*unwalked([run, rollouts]))
     trained = train.submit(*unwalked([run, experience, episode, start_iteration]))
     synced = sync.submit(*unwalked([run, episode, trained]))
@@ -63,6 +71,8 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
     metrics: dict[str, Any] = {"episode": episode, "consumed_samples": consumed_samples + gen.meta["num_samples"]}
     metrics.update({k: v for k, v in tr.items() if k != "seconds"})
     metrics["checkpoint_paths"] = ck["paths"]
+    if ck["policy_versions"]:
+        metrics["policy_versions"] = ck["policy_versions"]
     if ck["relay_path"]:
         metrics["relay_checkpoint"] = ck["relay_path"]
     timing = {"generate": gen.meta["seconds"], "score": exp.meta["seconds"], "train": tr["seconds"],

@@ -31,6 +31,7 @@ from chatlearn.runtime.records.evaluation import eval_metrics, eval_results
 from chatlearn.runtime.records.reporting import artifact_key
 from chatlearn.runtime.schedule import checkpoint_due, every
 from chatlearn.runtime.weights.sync import sync_routes
+from chatlearn.runtime.weights.versions import generation_version
 from chatlearn.utils.errors import RunError, find_run_error
 from chatlearn.utils.storage import writing
 from flows.model_calls import Batches, run_calls
@@ -99,7 +100,13 @@ def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
     first_iteration = episode * len(prompts)
     # stream positions identify samples: per-sample seeds make responses independent of the batching
     batches = Batches(len(prompts), first_iteration, prompts, episode_start=consumed_samples)
-    done = run_calls(run, flow, [0], {}, batches, clock)
+    if run.versions is None:
+        done = run_calls(run, flow, [0], {}, batches, clock)
+    else:  # pipelined: on the weights of max_staleness episodes before, whatever trains meanwhile
+        batches.policy_version = generation_version(episode, run.max_staleness)
+        with run.versions.turn:
+            run.versions.load(batches.policy_version, clock)
+            done = run_calls(run, flow, [0], {}, batches, clock)
     return RefBox(done[0].refs, seconds=clock.seconds(), num_batches=len(prompts),
                   num_samples=sum(len(idx) for _, idx, _ in prompts), first_iteration=first_iteration,
                   episode=episode, first_sample_id=consumed_samples)
@@ -156,8 +163,16 @@ def sync(run: RunHandle, episode: int, trained: dict | None = None) -> dict[str,
     """
     t0 = time.perf_counter()
     due = [r for r in run.sync_routes if every(run.sync_frequency[r.dst], episode)]
+    versions = run.versions
+    if versions is not None:  # pipelined: the policy's weights are published as a version, loaded when due
+        due = [r for r in due if r.key != versions.route.key]
     stats = sync_routes(due, run.actor, concurrent=run.concurrent_comm, max_workers=run.param_sync_max_workers)
-    return {"synced": list(stats), "bytes": sum(s["bytes"] for s in stats.values()),
+    synced = list(stats)
+    if versions is not None:
+        versions.publish(episode + 1, StageClock("sync", episode, run.stage_timeout_s))
+        versions.release_below(generation_version(episode + 1, run.max_staleness))
+        synced.append(f"{versions.route.key} (version {episode + 1})")
+    return {"synced": synced, "bytes": sum(s["bytes"] for s in stats.values()),
             "seconds": time.perf_counter() - t0}
 
 
@@ -173,6 +188,7 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
     clock = StageClock("checkpoint", episode, run.stage_timeout_s)
     paths: dict[str, str | None] = {}
     relay_path = None
+    versions: dict[int, str] = {}
     if checkpoint_due(run.save_episode_interval, episode, run.num_episode):
         iteration = trained["iteration"]
         calls = {name: run.heads(name)[0].save_checkpoint.remote(iteration) for name in run.checkpoint_models}
@@ -180,7 +196,12 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
         relay_dir = os.path.join(run.data_checkpoint_path, "relay", f"iter_{iteration:07d}")
         with writing("the relay checkpoint", relay_dir):  # a full disk: one RunError naming the path
             relay_path = clock.get(run.stream().save_relay.remote(relay_dir), "the stream dataset")
-    return {"paths": paths, "relay_path": relay_path, "seconds": clock.seconds()}
+        if run.versions is not None:  # pipelined: the older weights the next episodes generate on
+            version_dir = os.path.join(run.data_checkpoint_path, "policy_versions", f"iter_{iteration:07d}")
+            with writing("the policy versions", version_dir):
+                versions = run.versions.save(list(range(generation_version(episode + 1, run.max_staleness),
+                                                        episode + 1)), version_dir, clock)
+    return {"paths": paths, "relay_path": relay_path, "policy_versions": versions, "seconds": clock.seconds()}
 
 
 @task(name="eval", cache_policy=NO_CACHE)
@@ -195,7 +216,12 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     prompts = [(r, idx, None) for r, idx in eval_prompt_batches(run.eval_dataset_size, run.generation_batch_size,
                                                                replicas)]
     batches = Batches(len(prompts), 0, prompts, is_eval=True, episode_start=0)
-    done = run_calls(run, flow, list(range(len(flow.nodes))), {}, batches, clock)
+    if run.versions is None or flow.producer.model != run.versions.model:
+        done = run_calls(run, flow, list(range(len(flow.nodes))), {}, batches, clock)
+    else:  # pipelined: on the weights this episode trained, while the next episodes generate on older ones
+        with run.versions.turn:
+            run.versions.load(episode + 1, clock)
+            done = run_calls(run, flow, list(range(len(flow.nodes))), {}, batches, clock)
     outputs = [clock.get(done[i].refs, flow.nodes[i].name) for i in flow.outputs()]
     results = eval_results([merge_batches(*parts) for parts in zip(*outputs, strict=True)])
     context = {"episode_iteration": episode, "train_iteration": (trained or {}).get("iteration")}

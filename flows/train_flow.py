@@ -38,10 +38,11 @@ from chatlearn.models.parallel import ParallelDims
 from chatlearn.runtime.calls.handles import RunHandle
 from chatlearn.runtime.calls.recovery import ProcessLost, alive_node_ids, process_loss
 from chatlearn.runtime.calls.stopping import Stopped, stop_signal, stopping
-from chatlearn.runtime.calls.waiting import wait
+from chatlearn.runtime.calls.waiting import MIN_STEP_TIMEOUT_S, StageClock, wait
 from chatlearn.runtime.cluster.launch import launch
 from chatlearn.runtime.cluster.model_group import ModelGroup
 from chatlearn.runtime.cluster.placement import PlacementError, table_text
+from chatlearn.runtime.pipeline import Pipeline
 from chatlearn.runtime.plan import ResolvedEngine
 from chatlearn.runtime.prepared import PreparedRun, handed_down, prepare_run
 from chatlearn.runtime.records import api_link
@@ -52,6 +53,7 @@ from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.runtime.records.run_record import claim_run_dir
 from chatlearn.runtime.records.subflows import Subflows
 from chatlearn.runtime.weights.sync import sync_routes
+from chatlearn.runtime.weights.versions import WeightVersions, generation_version
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.faults import crash_point
 from chatlearn.utils.storage import writing
@@ -201,6 +203,8 @@ def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, gr
         lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
         wait([heads[m].load_checkpoint.remote(resumed.train_iteration) for m in lagging], "resume",
              run.stage_timeout_s)
+    if cfg.runtime.max_staleness > 0:  # pipelined: the policy generates on published versions of the trainer
+        _start_versions(run, eng, resumed)
     params = _parameter_counts(heads, eng.plan.trainers, run.stage_timeout_s)
     if eng.name == "grpo":  # say where the ratio's old log-probs come from
         src = ("the trainer's forward pass in the score stage" if eng.plan.calls(eng.plan.trainers[0], "forward_step")
@@ -209,6 +213,24 @@ def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, gr
     startup = time.perf_counter() - t_start
     sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
     return _run_episodes(cfg, run, groups, run_dir, resumed, startup, params.get(eng.plan.export, {}), progress)
+
+
+def _start_versions(run: RunHandle, eng: ResolvedEngine, resumed: DataCheckpoint | None) -> None:
+    """Pipelined episodes: the trainer's weights as the current version, and on resume the older versions the
+    next episodes generate on, from the checkpoint (`chatlearn.runtime.weights.versions`)."""
+    route = next(r for r in run.sync_routes if r.dst == eng.plan.producer)
+    run.versions = WeightVersions(route, run.actor, run.max_staleness, run.stage_timeout_s)
+    clock = StageClock("resume" if resumed else "setup", -1, max(run.stage_timeout_s or 0, MIN_STEP_TIMEOUT_S))
+    if resumed is not None:
+        missing = [v for v in range(generation_version(resumed.episode + 1, run.max_staleness), resumed.episode + 1)
+                   if v not in resumed.policy_versions]
+        if missing:
+            raise RunError(f"the data checkpoint of episode {resumed.episode + 1} in {run.data_checkpoint_path} "
+                           f"has no policy weights of version(s) {missing}, which runtime.max_staleness "
+                           f"{run.max_staleness} generates on next (was it written by a run with a smaller "
+                           f"max_staleness?)")
+        run.versions.restore(resumed.policy_versions)
+    run.versions.publish(resumed.episode + 1 if resumed is not None else 0, clock)
 
 
 def deployment_run(cfg: ChatLearnConfig) -> ChatLearnConfig:
@@ -316,6 +338,11 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     hosts = [h for g in groups.values() for h in g.actors]  # every rank of every model: ChatLearn's episode hooks
     # each episode a subflow run of this flow run, its flow run created one episode ahead (the first: now)
     episodes = Subflows(episode_runner(run.plan))
+    pipeline = None
+    if run.versions is not None:  # pipelined: the next max_staleness episodes generate while this one trains
+        def call(ep: int, params: dict[str, Any], next_ep: int | None) -> Any:
+            return episodes(episode_name(ep), params, next_name=episode_name(next_ep) if next_ep is not None else None)
+        pipeline = Pipeline(call, run, first, rt.num_episode, consumed)
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
@@ -325,9 +352,13 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             with instruments.episode(episode):
                 # a subflow (records sent in the background); inside the train flow run while the Prefect API is
                 # away (api_link)
-                metrics = episodes(episode_name(episode), {"run": run, "episode": episode, "consumed_samples": consumed,
-                                                           "start_iteration": iteration},
-                                   next_name=episode_name(episode + 1) if episode + 1 < rt.num_episode else None)
+                if pipeline is not None:
+                    metrics = pipeline.run(episode, iteration)
+                else:
+                    metrics = episodes(episode_name(episode), {"run": run, "episode": episode,
+                                                               "consumed_samples": consumed,
+                                                               "start_iteration": iteration},
+                                       next_name=episode_name(episode + 1) if episode + 1 < rt.num_episode else None)
             wait([h.after_episode.remote() for h in hosts], "after_episode", run.stage_timeout_s)
             consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
             if initial_eval is not None and episode == 0:
@@ -357,6 +388,8 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             api_link.post(artifacts.update, list(reporter.rows))  # the curve is drawn there too
             last = metrics
     finally:
+        if pipeline is not None:
+            pipeline.close()
         episodes.close()
         # what the episodes posted is sent (or dropped) while Ray is still up: it holds Ray handles
         api_link.flush()

@@ -47,6 +47,8 @@ class DataCheckpoint(BaseModel):
     rng_state: dict[str, Any] = Field(default_factory=dict, description="driver RNG states (python, torch)")
     relay_path: str | None = Field(None, description="relay buffer checkpoint directory, when relay is on")
     model_checkpoints: dict[str, str] = Field(default_factory=dict, description="model name -> checkpoint dir")
+    policy_versions: dict[int, str] = Field(default_factory=dict, description="pipelined episodes: the older policy "
+                                            "weights the next episodes generate on, version -> file")
     created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
 
 

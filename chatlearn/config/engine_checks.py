@@ -79,6 +79,7 @@ class EngineChecks:
         problems += _critic_free_reward_args(cfg, name)
         problems += _advantage_estimator(cfg, name, spec, self.modules)
         problems += _sync_frequency(cfg, spec)
+        problems += _pipelined(cfg, name, spec)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
         return problems
@@ -285,6 +286,37 @@ def _sync_frequency(cfg: ChatLearnConfig, spec: EngineSpec) -> list[str]:
         if dst in cfg.models and cfg.models[dst].sync_frequency < 0:
             problems.append(f"models.{dst}.sync_frequency: must be >= 0 for a model that receives weights "
                             f"(0: never sync), got {cfg.models[dst].sync_frequency}")
+    return problems
+
+
+def _pipelined(cfg: ChatLearnConfig, engine: str, spec: EngineSpec) -> list[str]:
+    """``runtime.max_staleness`` > 0 overlaps the generating model (the policy, receiving the trainer's weights)
+    with scoring and training: it needs processes of its own, a sync every episode, and old log-probs that are
+    not the training forward's own."""
+    k, rt = cfg.runtime.max_staleness, cfg.runtime
+    if k == 0:
+        return []
+    # the built-in engines generate with `policy`, the inference copy of `ppo_policy`
+    receivers = [(src, dst) for src, dst in spec.sync if src in cfg.models and dst == "policy" in cfg.models]
+    if not receivers:
+        return [f"runtime.max_staleness: {k}, but the {engine!r} engine does not generate with a copy of the model "
+                f"it trains (a policy synced from ppo_policy): there is nothing to overlap; leave it at 0"]
+    problems = []
+    for src, dst in receivers:
+        for group in rt.colocation_groups:
+            if dst in group and len(group) > 1:
+                problems.append(
+                    f"runtime.colocation: {dst!r} is colocated with {[m for m in group if m != dst]}, but "
+                    f"runtime.max_staleness: {k} runs its generation while {src!r} trains: it needs processes of "
+                    f"its own (take it out of the group, or set max_staleness: 0)")
+        if cfg.models[dst].sync_frequency != 1:
+            problems.append(f"models.{dst}.sync_frequency: {cfg.models[dst].sync_frequency} with runtime."
+                            f"max_staleness: {k} is not supported yet (the pipeline syncs every episode); set it to 1")
+    trainer = (cfg.models["ppo_policy"].args_dict or {}) if "ppo_policy" in cfg.models else {}
+    if engine == "grpo" and trainer.get("old_logprobs") == "current":
+        problems.append(f"models.ppo_policy.args_dict.old_logprobs: current takes the training forward's own "
+                        f"log-probs as the old ones, but with runtime.max_staleness: {k} the samples come from "
+                        f"older weights; use generation (the behaviour policy's) or trainer")
     return problems
 
 

@@ -139,6 +139,13 @@ class RuntimeConfig(Section):
         "batching (a finished response frees its slot for the next prompt: policy args_dict.max_num_seqs); "
         "'vllm' and 'sglang' need a GPU build and are not supported yet",
     )
+    max_staleness: int = Field(
+        default=0, ge=0,
+        description="pipelined episodes (bounded staleness): the generation of episode N+1 (up to N+k) runs while "
+        "episode N scores and trains, on the policy weights of k episodes before (0: each episode generates on "
+        "the weights its previous episode trained, one stage after another). Needs the generating model in its "
+        "own processes (not in a runtime.colocation group); each episode logs staleness_mean/max and dropped_stale",
+    )
     data_shuffle: bool = Field(
         default=True,
         description="shuffle the prompts in each pass over the dataset, seeded by (seed, pass) "

@@ -80,6 +80,9 @@ class RunHandle(BaseModel):
     concurrent_comm: bool = True
     param_sync_max_workers: int | None = None
     stage_timeout_s: float | None = Field(None, description="runtime.stage_timeout_s (chatlearn.runtime.calls.waiting)")
+    max_staleness: int = Field(0, description="runtime.max_staleness (pipelined episodes)")
+    # pipelined episodes: the policy's weights by version (chatlearn.runtime.weights.versions), in the driver
+    versions: Any = Field(None, exclude=True)
     # the flows' steps (functions of the driver, run as Ray tasks): not sent to the Prefect API
     steps: dict[str, Any] = Field(default_factory=dict, exclude=True)
 

@@ -17,6 +17,7 @@ import ray
 
 from chatlearn.config import ModelConfig, RuntimeConfig
 from chatlearn.data.batch import collate_samples, merge_batches
+from chatlearn.data.staleness import drop_stale
 from chatlearn.data.stream import training_batches
 from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime.calls.waiting import fetch
@@ -79,12 +80,13 @@ class ModelHost:
 
     def generate(self, indices: list[int], iteration: int, is_eval: bool = False,
                  sample_ids: list[int] | None = None, group_size: int = 1,
-                 flow_method: str = "forward_step") -> Any:
+                 flow_method: str = "forward_step", policy_version: int | None = None) -> Any:
         """Collate dataset items `indices` and run the flow's method on them (`run_method`).
 
         `sample_ids` (the samples' positions in the response stream) go into dict batches as `sample_id`, so a
         module can seed per sample instead of per batch. With `group_size` > 1 (several responses per prompt)
-        the batch also gets `group_id` (`sample_id // group_size`): the responses to one prompt share it.
+        the batch also gets `group_id` (`sample_id // group_size`): the responses to one prompt share it. With
+        `policy_version` (pipelined episodes) every response is stamped with the weights version it came from.
         """
         dataset = self.datasets[is_eval]
         batch = self.module.collate_fn([dataset[i] for i in indices])
@@ -92,7 +94,10 @@ class ModelHost:
             batch["sample_id"] = list(sample_ids if sample_ids is not None else indices)
             if group_size > 1:
                 batch["group_id"] = [sid // group_size for sid in batch["sample_id"]]
-        return self.run_method(flow_method, batch, iteration, is_eval)
+        out = self.run_method(flow_method, batch, iteration, is_eval)
+        if policy_version is not None and isinstance(out, dict):  # pipelined: the weights it was generated on
+            out["policy_version"] = [policy_version] * len(batch["sample_id"])
+        return out
 
     def run_method(self, method: str, data: Any, iteration: int, is_eval: bool) -> Any:
         """The module method a compute flow calls: ``forward_step(data, iteration)`` (in an evaluator flow,
@@ -121,6 +126,9 @@ class ModelHost:
         """
         samples = fetch(samples, self.runtime_args.stage_timeout_s)
         rt = self.runtime_args
+        staleness: dict[str, float] = {}
+        if rt.max_staleness > 0:  # pipelined: the trainer is at version `episode` (one per episode trained)
+            samples, staleness = drop_stale(samples, episode, rt.max_staleness, group_size)
         steps = training_batches(samples, rt.train_micro_batch_size, rt.train_global_batch_size,
                                  rt.num_training_epoch, seed=self.module.seed, episode=episode,
                                  group_size=group_size)
@@ -133,7 +141,7 @@ class ModelHost:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         result: dict[str, Any] = {k: v / max(1, len(steps)) for k, v in sums.items()}
-        result.update(iteration=iteration, num_steps=len(steps), num_samples=len(samples))
+        result.update(iteration=iteration, num_steps=len(steps), num_samples=len(samples), **staleness)
         return result
 
     # -- sync / checkpoint / hooks --------------------------------------------------------------------------

@@ -56,16 +56,20 @@ class Subflows:
     def __init__(self, flow: Flow):
         self.flow = flow
         self._ahead: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()  # pipelined episodes call from several threads
         self._serialized: dict[int, tuple[Any, Any]] = {}  # id -> (object, its JSON form): the same RunHandle
 
     def prepare(self, name: str) -> None:
         """Create the flow run of a later call named ``name``, in the background."""
         parent = FlowRunContext.get()
         link = api_link.current()
-        if parent is None or parent.flow_run is None or link is None or not link.up or name in self._ahead:
+        if parent is None or parent.flow_run is None or link is None or not link.up:
             return
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._ahead[name] = future
+        with self._lock:
+            if name in self._ahead:
+                return
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._ahead[name] = future
         link.post(self._create, parent.flow_run.id, name, future, urgent=True)
 
     def __call__(self, name: str, parameters: dict[str, Any], next_name: str | None = None) -> Any:
@@ -87,15 +91,17 @@ class Subflows:
 
     def close(self) -> None:
         """Cancel the flow runs created ahead that no call ran (the run stopped or failed first)."""
-        for future in self._ahead.values():
+        with self._lock:
+            ahead, self._ahead = list(self._ahead.values()), {}
+        for future in ahead:
             api_link.post(_cancel, future, urgent=True)  # posted after its creation: done by then, or it failed
-        self._ahead.clear()
         self._serialized.clear()
 
     # ---- inside ----
 
     def _take(self, name: str) -> _Prepared | None:
-        future = self._ahead.pop(name, None)
+        with self._lock:
+            future = self._ahead.pop(name, None)
         if future is None:
             return None
         try:
