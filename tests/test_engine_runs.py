@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -116,7 +117,10 @@ RESUME_ARGS = [*SMALL, "runtime.save_episode_interval=1", "runtime.eval_episode_
 # up to 12 tokens), and the reference and trainer packed, 48-token micro-batches (the global batch re-cut)
 RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.args_dict.max_num_seqs=6",
                          "models.policy.args_dict.max_new_tokens=12", "models.reference.packing=true",
-                         "models.ppo_policy.packing=true", "models.ppo_policy.max_token_in_packing=48"]}
+                         "models.ppo_policy.packing=true", "models.ppo_policy.max_token_in_packing=48"],
+                # three episodes, so a later one generates while the killed one trains; longer responses than
+                # the shipped 2 tokens, so generation takes long enough for the overlap to show
+                "grpo_async": ["runtime.num_episode=3", "models.policy.args_dict.max_new_tokens=12"]}
 
 
 def train_engine(config, out, exp, tiny_model_dir, crash=None):
@@ -170,6 +174,65 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
         return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
 
     assert rows("killed") == rows("ref") and len(rows("ref")) == 2
+
+
+def _stage_runs(exp, episodes, stages):
+    """{(episode name, stage): its stage task run} of run ``exp``, once the API has them all (task runs are
+    written in batches)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+
+    deadline = time.monotonic() + 30
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=episodes))) if r.parameters.get("run", {}).get("exp_name") == exp]
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])))
+            name = {r.id: r.name for r in runs}
+            found = {(name[t.flow_run_id], t.name.rsplit("-", 1)[0]): t for t in tasks
+                     if t.name.rsplit("-", 1)[0] in stages and t.end_time is not None}
+            if len(found) == len(episodes) * len(stages) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
+
+
+def test_pipelined_grpo_overlaps_its_episodes_and_resumes_bit_identical(prefect_api, ray_session, tiny_model_dir,
+                                                                        tmp_path, monkeypatch, capsys):
+    """configs/grpo_async.yaml (runtime.max_staleness 1) for three episodes: episode N+1 generates on the weights
+    of episode N-1 while episode N scores and trains, each in its own episode subflow, and the API's task runs
+    show the overlap; every sample is one version old from the second episode on (stamped at generation, counted
+    at training). A `chatlearn train` process SIGKILLed while episode 2 trains and episode 3 generates, then the
+    same run again: the uninterrupted run's final policy and rows, bit for bit."""
+    timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths",
+              "policy_versions")
+    train_here("grpo_async", tmp_path, "ref", tiny_model_dir, monkeypatch)
+    ref = rows_of(tmp_path / "ref")
+    assert [(r["staleness_mean"], r["staleness_max"], r["dropped_stale"]) for r in ref] == [
+        (0.0, 0.0, 0.0), (1.0, 1.0, 0.0), (1.0, 1.0, 0.0)]
+    assert [r["consumed_samples"] for r in ref] == [32, 64, 96]
+    # the older weights a resume generates on go with each checkpoint: version N for episode N+1
+    assert [sorted(r["policy_versions"]) for r in ref] == [["0"], ["1"], ["2"]]
+    names = ["episode-1", "episode-2", "episode-3"]
+    runs = _stage_runs("ref", names, ("generate", "score", "train"))
+    for before, after in zip(names, names[1:]):
+        busy = (runs[before, "score"].start_time, runs[before, "train"].end_time)
+        gen = runs[after, "generate"]
+        assert gen.start_time < busy[1] and gen.end_time > busy[0], (before, after, busy, gen.start_time,
+                                                                      gen.end_time)
+    killed = train_engine("grpo_async", tmp_path, "killed", tiny_model_dir, crash="after_generate:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    capsys.readouterr()
+    train_here("grpo_async", tmp_path, "killed", tiny_model_dir, monkeypatch)
+    again = capsys.readouterr().err
+    assert "resuming after episode 1 " in again, again[-3000:]
+    expected = load_file(str(tmp_path / "ref" / "final" / "policy" / "model.safetensors"))
+    weights = load_file(str(tmp_path / "killed" / "final" / "policy" / "model.safetensors"))
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+
+    def rows(exp):
+        return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
+
+    assert rows("killed") == rows("ref")
 
 
 def test_a_raising_rule_reward_stops_the_run_naming_the_sample(prefect_api, ray_session, tiny_model_dir, tmp_path):

@@ -1,0 +1,123 @@
+"""Pipelined episodes (`runtime.max_staleness`) without Ray: which weights an episode generates on, which samples
+are too old to train, the config's refusals, and the gates an episode started ahead waits at."""
+
+import os
+import pickle
+import threading
+import time
+
+import pytest
+
+from chatlearn.config import ConfigError, EngineChecks, load_config
+from chatlearn.data.sampler import episode_generation_batches
+from chatlearn.data.staleness import drop_stale
+from chatlearn.runtime.calls.handles import RunHandle
+from chatlearn.runtime.calls.waiting import StageTimeout
+from chatlearn.runtime.pipeline import EpisodeGate, Pipeline, PipelineStopped
+from chatlearn.runtime.plan import EpisodePlan
+from chatlearn.runtime.weights.sync import SyncRoute
+from chatlearn.runtime.weights.versions import WeightVersions, generation_version
+from tests.conftest import REPO
+
+
+def test_an_episode_generates_on_the_weights_of_k_episodes_before():
+    assert [generation_version(e, 0) for e in range(4)] == [0, 1, 2, 3]  # synchronous: the latest
+    assert [generation_version(e, 1) for e in range(4)] == [0, 0, 1, 2]
+    assert [generation_version(e, 2) for e in range(5)] == [0, 0, 0, 1, 2]
+
+
+def test_stale_samples_are_dropped_with_their_group_and_counted():
+    # trainer at version 5, max_staleness 2: ages 0, 1, 3, 2, 2, 4
+    samples = [{"id": i, "policy_version": v} for i, v in enumerate([5, 4, 2, 3, 3, 1])]
+    kept, m = drop_stale(samples, 5, 2)
+    assert [s["id"] for s in kept] == [0, 1, 3, 4]
+    assert m == {"staleness_mean": 2.0, "staleness_max": 4.0, "dropped_stale": 2.0}
+    # groups of 2: the group holding an age-3 sample goes whole (ids 2 and 3), as does the one with age 4
+    kept, m = drop_stale(samples, 5, 2, group_size=2)
+    assert [s["id"] for s in kept] == [0, 1]
+    assert m["dropped_stale"] == 4.0
+    # no version: generated on the current weights
+    assert drop_stale([{"x": 1}], 3, 0) == ([{"x": 1}], {"staleness_mean": 0.0, "staleness_max": 0.0,
+                                                         "dropped_stale": 0.0})
+
+
+def _problems(config, *overrides):
+    try:
+        load_config(os.path.join(REPO, "configs", config), list(overrides), [EngineChecks()])
+        return []
+    except ConfigError as exc:
+        return exc.problems
+
+
+def test_the_async_config_passes_and_the_layouts_that_cannot_pipeline_are_refused_by_name():
+    assert _problems("grpo_async.yaml") == []
+    # the shipped GRPO colocates the policy with its trainer: one process cannot generate while it trains
+    (problem,) = _problems("grpo.yaml", "runtime.max_staleness=1")
+    assert problem.startswith("runtime.colocation: 'policy' is colocated with ['reference', 'reward', 'ppo_policy']")
+    assert "max_staleness: 1" in problem
+    assert any(p.startswith("models.policy.sync_frequency: 2 with runtime.max_staleness: 1 is not supported yet")
+               for p in _problems("grpo_async.yaml", "models.policy.sync_frequency=2"))
+    # (one optimizer step an episode, so only the staleness makes it wrong)
+    (problem,) = _problems("grpo_async.yaml", "models.ppo_policy.args_dict.old_logprobs=current",
+                           "runtime.train_global_batch_size=128", "runtime.train_micro_batch_size=64")
+    assert problem.startswith("models.ppo_policy.args_dict.old_logprobs: current") and "max_staleness: 1" in problem
+    (problem,) = _problems("dpo.yaml", "runtime.max_staleness=1")
+    assert problem.startswith("runtime.max_staleness: 1, but the 'dpo' engine does not generate")
+    assert any("max_staleness" in p and "greater than or equal to 0" in p
+               for p in _problems("grpo_async.yaml", "runtime.max_staleness=-1"))
+
+
+def test_a_gate_opens_with_the_start_iteration_and_gives_up_with_the_reason():
+    gate = EpisodeGate()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(gate.wait()))
+    waiter.start()
+    time.sleep(0.3)
+    assert not got  # still waiting: the episode before is not done
+    gate.open(12)
+    waiter.join(5)
+    assert got == [12]
+    assert EpisodeGate(3).wait() == 3  # a synchronous episode's: open from the start
+    stopped = EpisodeGate()
+    stopped.give_up("episode 2 failed")
+    with pytest.raises(PipelineStopped, match="episode 2 failed"):
+        stopped.wait()
+    with pytest.raises(PipelineStopped):
+        stopped.wait_generated()
+    # what a Prefect task on Ray gets of it with the flow run's parameters: its description
+    assert pickle.loads(pickle.dumps(EpisodeGate(4))) == "EpisodeGate(start_iteration=4)"
+
+
+def _handle(**kw):
+    return RunHandle(namespace="x", actors={"policy": [["w1"]]}, plan=EpisodePlan(), dataset_size=100, run_dir="x",
+                     exp_name="x", sample_per_episode=24, generation_batch_size=8, group_size=4, **kw)
+
+
+def test_episodes_started_ahead_read_the_prompts_the_synchronous_run_reads(monkeypatch):
+    monkeypatch.setattr(EpisodePlan, "producer", property(lambda self: "policy"))
+    run = _handle(max_staleness=2, shuffle_seed=7)
+    pipe = Pipeline(lambda *a: None, run, first=3, num_episode=10, consumed_samples=72)
+    consumed, expected = 72, {}
+    for episode in range(3, 8):  # the synchronous loop: each episode's generate stage reports its samples
+        expected[episode] = consumed
+        consumed += sum(len(idx) for _, idx, _ in episode_generation_batches(100, consumed, 24, 8, 1, 7, 4))
+    assert {e: pipe.consumed_before(e) for e in range(3, 8)} == expected
+    assert expected[4] == 96  # 24 a episode: hand-checked
+    pipe.close()
+
+
+def test_waiting_for_a_version_ends_at_the_deadline_or_when_the_pipeline_gives_up():
+    route = SyncRoute(key="ppo_policy->policy", src="ppo_policy", dst="policy", src_ranks=["a"], dst_ranks=[["b"]])
+    versions = WeightVersions(route, actor=None, max_staleness=1, timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeout, match=r"episode 3, generate: the policy weights of version 2 \(ppo_policy "
+                                           r"after 2 episode\(s\) of training\) were not there after 0.5 s"):
+        versions.wait_for(2, "episode 3, generate")
+    assert 0.4 < time.monotonic() - t0 < 3
+    with pytest.raises(PipelineStopped, match="given up"):
+        versions.wait_for(2, "x", timeout_s=30, given_up=lambda: PipelineStopped("given up"))
+    versions._put(2, "ref")  # published: no wait
+    versions.wait_for(2, "x")
+    versions.release_below(3)
+    assert versions.versions() == []
+    assert pickle.loads(pickle.dumps(versions)) == "WeightVersions(ppo_policy->policy, max_staleness=1)"
