@@ -3,6 +3,7 @@ rule reward's guard rails, pair building, pair batches, old log-probs, the GRPO 
 and the LoRA trainer's merged sync."""
 
 import copy
+import math
 import os
 import time
 
@@ -290,3 +291,27 @@ def test_current_old_logprobs_give_the_trainers_gradient_without_its_pass(tiny_m
     assert stats[0]["policy_loss"] == pytest.approx(stats[1]["policy_loss"], abs=1e-6)
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-4)
+
+
+def test_a_rollout_correction_weighs_the_gradient_by_proximal_over_behaviour(tiny_model_dir, grpo_batch):
+    """Samples whose sampler gave each token half the trainer's probability: with `tis_token` (cap 3) each token's
+    ratio is 2, so the gradient is twice the uncorrected one (old log-probs the trainer's in both), and the
+    episode's stats say ratio 2 everywhere, none clipped."""
+    args = {"model_path": tiny_model_dir, "max_grad_norm": 1e9, "old_logprobs": "trainer"}
+    grads = []
+    for correction in ("none", "tis_token"):
+        trainer = bound(GRPOPolicyTrainer, "ppo_policy", {**args, "rollout_correction": correction,
+                                                          "rollout_is_cap": 3.0}, trainable=True)
+        batch = {**grpo_batch}
+        batch.update(trainer.forward_step(batch, 1))
+        batch["logprobs"] = (batch["old_logprobs"] - math.log(2.0)) * batch["response_mask"]
+        samples = split_batch(batch)
+        if correction != "none":
+            stats = trainer.episode_stats(list(samples))
+            assert stats == pytest.approx({"rollout_is_ratio_mean": 2.0, "rollout_is_ratio_max": 2.0,
+                                           "rollout_is_clipped_frac": 0.0}, rel=1e-5)
+        trainer.optimizer.step = lambda: None  # keep the weights: compare the accumulated gradients
+        trainer.train_step([collate_samples(samples[c], 0) for c in (slice(0, 5), slice(5, 12))], 0)
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], 2 * grads[0][n], atol=1e-6, rtol=1e-4)

@@ -164,6 +164,7 @@ def _clipped_pg_loss(
     diff_clip_ratio: float,
     final_clip_ratio: float,
     total_tokens: float | None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Shared tail of the GRPO and GSPO losses (ChatLearn ``loss_gallery.py``), see :func:`grpo_token_loss`.
 
@@ -183,6 +184,8 @@ def _clipped_pg_loss(
     # bounded (dual-clip in effect), but the bound is on the loss value -A * ratio, not on
     # the ratio as in the dual-clip paper's c * |A|.
     per_token = torch.clamp(pg, max=final_clip_ratio)
+    if token_weights is not None:  # an off-policy correction's importance weights (chatlearn.algorithms.off_policy)
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
     loss = masked_sum(per_token, valid) / _normaliser(valid, total_tokens, per_token)
 
     with torch.no_grad():
@@ -210,6 +213,7 @@ def grpo_token_loss(
     diff_clip_ratio: float = 10.0,
     final_clip_ratio: float = 3.0,
     total_tokens: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """ChatLearn HEAD's token-level GRPO loss (``calculate_grpo_loss``), as a loss to minimise.
 
@@ -247,6 +251,8 @@ def grpo_token_loss(
         diff_clip_ratio: upper bound of the log-ratio before ``exp``.
         final_clip_ratio: upper bound of the per-token loss.
         total_tokens: normaliser, see above.
+        token_weights: ``[B, T]`` importance weights each token's loss is multiplied by (an off-policy
+            correction's, :mod:`chatlearn.algorithms.off_policy`); no gradient flows through them.
 
     Returns:
         ``(loss, stats)``; stats are python floats averaged over this batch's valid tokens:
@@ -270,6 +276,7 @@ def grpo_token_loss(
         diff_clip_ratio=diff_clip_ratio,
         final_clip_ratio=final_clip_ratio,
         total_tokens=total_tokens,
+        token_weights=token_weights,
     )
 
 
@@ -285,6 +292,7 @@ def gspo_sequence_loss(
     diff_clip_ratio: float = 10.0,
     final_clip_ratio: float = 3.0,
     total_tokens: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Group Sequence Policy Optimization) loss, following ChatLearn's ``calculate_gspo_loss``.
 
@@ -325,6 +333,7 @@ def gspo_sequence_loss(
         diff_clip_ratio=diff_clip_ratio,
         final_clip_ratio=final_clip_ratio,
         total_tokens=total_tokens,
+        token_weights=token_weights,
     )
 
 

@@ -6,7 +6,7 @@ here.  A new algorithm (GRPO advantages, a DPO-style loss, ...) therefore plugs
 in by decorating a pure tensor function in its own module and importing that
 module once; no trainer code changes.
 
-There are three separate registries rather than one keyed by ``(kind, name)``
+There are separate registries rather than one keyed by ``(kind, name)``
 because the same short name (``"ppo_clip"``) legitimately names both a policy
 loss and a value loss, and because each kind has its own call contract:
 
@@ -15,6 +15,8 @@ loss and a value loss, and because each kind has its own call contract:
   :mod:`chatlearn.algorithms.advantages`)
 * policy loss: ``fn(logprobs, old_logprobs, advantages, mask, **hparams) -> (loss, stats)``
 * value loss: ``fn(values, old_values, returns, mask, **hparams) -> (loss, stats)``
+* rollout correction: ``fn(proximal_logprobs, behaviour_logprobs, mask, *, cap) -> (weights, stats)``, the
+  per-token importance weights of samples another policy generated (see :mod:`chatlearn.algorithms.off_policy`)
 """
 
 from collections.abc import Callable
@@ -28,6 +30,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {}
 ADVANTAGE_ESTIMATOR_INPUTS: dict[str, tuple[str, ...]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 VALUE_LOSSES: dict[str, Callable[..., Any]] = {}
+ROLLOUT_CORRECTIONS: dict[str, Callable[..., Any]] = {}
 
 
 def _register(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
@@ -103,3 +106,13 @@ def get_policy_loss(name: str) -> Callable[..., Any]:
 def get_value_loss(name: str) -> Callable[..., Any]:
     """Return the value loss registered as ``name``; ``KeyError`` lists the known names."""
     return _get(VALUE_LOSSES, "value loss", name)
+
+
+def register_rollout_correction(name: str) -> Callable[[F], F]:
+    """Decorator: register a rollout correction returning ``(per-token weights [B, T], stats dict[str, float])``."""
+    return _register(ROLLOUT_CORRECTIONS, "rollout correction", name)
+
+
+def get_rollout_correction(name: str) -> Callable[..., Any]:
+    """Return the rollout correction registered as ``name``; ``KeyError`` lists the known names."""
+    return _get(ROLLOUT_CORRECTIONS, "rollout correction", name)

@@ -431,6 +431,11 @@ def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
         return []
     trainer = cfg.models["ppo_policy"].args_dict or {}
     source, rt = trainer.get("old_logprobs", "generation"), cfg.runtime
+    correction = trainer.get("rollout_correction", "none")
+    if correction != "none" and source != "trainer":
+        return [f"models.ppo_policy.args_dict.rollout_correction: {correction} weighs the proximal policy against "
+                f"the sampler's, and the proximal log-probs are the trainer's own forward pass: set old_logprobs: "
+                f"trainer (it is {source})"]
     if source == "current":
         # a train_global_batch_size <= 0 is the runtime check's to name
         if rt.train_global_batch_size <= 0 or rt.steps_per_episode == 1:

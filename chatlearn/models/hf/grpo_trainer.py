@@ -15,15 +15,21 @@ Old log-probs (the ratio's denominator) are, by `old_logprobs`:
   per episode (the config check requires it) the trainer's weights at that step are the ones ``trainer`` would
   have scored with, so the ratio is exactly 1 and the gradient is ``trainer``'s, without its forward pass and
   whatever the policy's sync frequency, dtype or temperature (``tests/test_engines_unit.py``).
+
+Samples another policy generated (stale ones in pipelined episodes, ``runtime.max_staleness``) make ``generation``
+the behaviour policy's log-probs: the plain off-policy ratio. ``rollout_correction`` instead takes the ratio
+against the proximal policy (``trainer``) and weighs each token by proximal / behaviour
+(:mod:`chatlearn.algorithms.off_policy`).
 """
 
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from chatlearn.algorithms import get_policy_loss, masked_sum
+from chatlearn.algorithms import ROLLOUT_CORRECTIONS, get_policy_loss, get_rollout_correction, masked_sum
 from chatlearn.algorithms.grpo import k3_kl
+from chatlearn.data.batch import collate_samples
 from chatlearn.models.hf.common import ResponseTokens, response_logprobs
 from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs
 
@@ -41,6 +47,20 @@ class GRPOPolicyArgs(OptimArgs):
         "generation", description="old log-probs from the sampler (same weights), the trainer's own forward pass "
                                   "in the score stage, or the training forward's own, detached (current: one "
                                   "optimizer step per episode)")
+    rollout_correction: str = Field(
+        "none", description="off-policy correction of samples another policy generated (stale ones in pipelined "
+                            "episodes): none, or a registered one (tis_token, tis_seq, mis_token, mis_seq, "
+                            "decoupled; chatlearn.algorithms.off_policy); needs old_logprobs: trainer (the "
+                            "proximal policy) and weighs each token by proximal / behaviour (the sampler's)")
+    rollout_is_cap: float = Field(2.0, gt=1.0, description="the rollout correction's bound on the importance ratio")
+
+    @field_validator("rollout_correction")
+    @classmethod
+    def _known_correction(cls, value: str) -> str:
+        if value != "none" and value not in ROLLOUT_CORRECTIONS:
+            known = ", ".join(sorted(ROLLOUT_CORRECTIONS))
+            raise ValueError(f"unknown rollout correction {value!r}; known: none, {known}")
+        return value
 
 # the loss statistics, each a mean over the micro-batch's valid tokens, weighted by its share of the tokens
 _CLIP_STATS = ("clipfrac", "pos_clipfrac", "neg_clipfrac", "final_clipfrac", "approx_kl")
@@ -55,6 +75,22 @@ class GRPOPolicyTrainer(CausalLMTrainer):
     def setup(self) -> None:
         super().setup()
         self.loss_fn = get_policy_loss(self.args.policy_loss)
+        a = self.args
+        self.correction = None if a.rollout_correction == "none" else get_rollout_correction(a.rollout_correction)
+
+    def correction_weights(self, data: dict) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """The rollout correction's weights of a batch: the proximal log-probs (the trainer's, from the score
+        stage) against the behaviour ones (the sampler's)."""
+        if self.correction is None:
+            return None, {}
+        return self.correction(data["old_logprobs"], data["logprobs"], data["response_mask"],
+                               cap=self.args.rollout_is_cap)
+
+    def episode_stats(self, samples: list[dict]) -> dict[str, float]:
+        """Over the episode's samples before training: the importance ratios of the rollout correction."""
+        if self.correction is None or not samples:
+            return {}
+        return self.correction_weights(collate_samples(samples, 0))[1]
 
     @torch.no_grad()
     def forward_step(self, data, iteration):
@@ -84,10 +120,11 @@ class GRPOPolicyTrainer(CausalLMTrainer):
             old = logprobs.detach()
         else:
             old = (mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]).to(self.device)
+        weights, _ = self.correction_weights(mb)
         loss, st = self.loss_fn(logprobs, old, mb["advantages"].to(self.device), mask,
                                 pos_clip_ratio=a.pos_clip_ratio, neg_clip_ratio=a.neg_clip_ratio,
                                 diff_clip_ratio=a.diff_clip_ratio, final_clip_ratio=a.final_clip_ratio,
-                                total_tokens=total)
+                                total_tokens=total, token_weights=None if weights is None else weights.to(self.device))
         part = {"policy_loss": float(loss.detach()) * on}
         if a.kl_coef > 0:
             kl = masked_sum(k3_kl(logprobs, mb["ref_logprobs"].to(self.device)), mask) / total
