@@ -202,7 +202,8 @@ def test_pipelined_grpo_overlaps_its_episodes_and_resumes_bit_identical(prefect_
     of episode N-1 while episode N scores and trains, each in its own episode subflow, and the API's task runs
     show the overlap; every sample is one version old from the second episode on (stamped at generation, counted
     at training). A `chatlearn train` process SIGKILLed while episode 2 trains and episode 3 generates, then the
-    same run again: the uninterrupted run's final policy and rows, bit for bit."""
+    same run again: the uninterrupted run's final policy and rows, bit for bit; and so does a run whose policy
+    process is SIGKILLed there (recovered in the run)."""
     timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths",
               "policy_versions")
     train_here("grpo_async", tmp_path, "ref", tiny_model_dir, monkeypatch)
@@ -233,6 +234,13 @@ def test_pipelined_grpo_overlaps_its_episodes_and_resumes_bit_identical(prefect_
         return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
 
     assert rows("killed") == rows("ref")
+    # the policy's own process SIGKILLed at the same point: recreated, and the run redoes episode 2 exactly
+    monkeypatch.setenv("CHATLEARN_KILL_AT", "policy:after_generate:1")
+    train_here("grpo_async", tmp_path, "lost", tiny_model_dir, monkeypatch)
+    assert "died during episode 2; recreating the model processes" in capsys.readouterr().err
+    weights = load_file(str(tmp_path / "lost" / "final" / "policy" / "model.safetensors"))
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    assert rows("lost") == rows("ref")
 
 
 def test_a_raising_rule_reward_stops_the_run_naming_the_sample(prefect_api, ray_session, tiny_model_dir, tmp_path):
