@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-overhead bench-growth bench-mfu bench-scaling bench-soak gpu-smoke clean
+.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak gpu-smoke clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,11 @@ bench-trl: setup
 # the orchestration share of an episode: the full Prefect + Ray path against the same actors called directly
 bench-overhead: setup
 	$(BIN)/python bench/overhead.py
+
+# pipelined episodes (runtime.max_staleness 0, 1, 2) on the variable-length workload, one generation and one
+# training process: samples per second and the eval reward against samples trained (bench/results/async.png)
+bench-async: setup
+	$(BIN)/python bench/async.py
 
 # per-episode overhead early and late in a long run (Prefect's database grows)
 bench-growth: setup

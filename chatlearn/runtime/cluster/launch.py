@@ -5,6 +5,7 @@ task: an actor created inside a task dies with it) and killed on the way out, fa
 """
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -380,6 +381,11 @@ def _launch(prepared: PreparedRun, data_checkpoint_path: str) -> Iterator[tuple[
                     ray.kill(stream, no_restart=True)
         watch.close()
         if started_ray:
+            # Garbage in reference cycles that still holds Ray objects (Prefect keeps task results and states in
+            # memory) is collected now, while the core worker is up. A run was seen to end with status 1 and
+            # Ray's "core worker has already been shutdown" from Prefect's API log thread just after shutdown; a
+            # collection there freeing such objects is the likely path (not reproduced in isolation)
+            gc.collect()
             ray.shutdown()
         if ray_reaper is not None:
             ray_reaper.close()

@@ -1,0 +1,145 @@
+"""Pipelined episodes (`runtime.max_staleness`) against synchronous ones, on the same layout, in one run.
+
+The variable-length GRPO workload of `bench/vs_trl.py` (64 prompts x 8 samples an episode, prompts of 8-64
+tokens, responses up to 256 new tokens ending where EOS is drawn, the parity rule reward, continuous batching
+and packed training) with one generation process and one training process: the policy in a worker process
+of one core, the trainer and the reward's actor in another of one core (`bench/configs/grpo_vs_trl.yaml`
+with the layout overridden). Every `max_staleness` in `--staleness` (default 0, 1, 2) runs the real
+`chatlearn train` for `--episodes` episodes, one after another, with an eval of 64 held-out prompts before
+training and after every episode.
+
+Per variant: samples per second (the episode's samples over the median `episode_seconds` of the episodes after
+the first two: the pipeline fills in the first ones), the staleness the trainer saw, and the eval reward after
+each episode against the samples trained. The speed-up is each variant's samples per second over
+`max_staleness: 0`'s; the eval reward is compared at equal samples (after the last episode). Prints a table,
+writes `bench/results/async.json` and plots the curves in `bench/results/async.png`.
+
+    .venv/bin/python bench/async.py [--episodes 6] [--prompts 64] [--staleness 0 1 2]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from common import REPO, run_train  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from vs_trl import CONFIG, WORKLOADS, build_model, write_prompts  # noqa: E402
+
+RESULT = BENCH / "results" / "async.json"
+PLOT = BENCH / "results" / "async.png"
+EVAL_PROMPTS = 64
+# one process generates, the other trains (and runs the reward's actor): one core each
+LAYOUT = ["models.policy.num_cpu=1", "models.policy.cpu_per_process=1", "models.reward.num_cpu=1",
+          "models.reward.cpu_per_process=1", "models.ppo_policy.num_cpu=1", "models.ppo_policy.cpu_per_process=1",
+          "runtime.colocation=['reward,ppo_policy']"]
+
+
+def run_variant(work: Path, model: Path, data: Path, eval_data: Path, k: int, args: argparse.Namespace) -> dict:
+    wl = WORKLOADS["variable"]
+    samples = args.prompts * wl.per_prompt
+    os.environ.update(VS_TRL_MODEL=str(model), VS_TRL_DATA=str(data),
+                      PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")])))
+    out = work / f"staleness-{k}"
+    overrides = [str(CONFIG.relative_to(REPO)), f"runtime.num_episode={args.episodes}",
+                 f"runtime.sample_per_episode={samples}", f"runtime.generation_batch_size={samples}",
+                 f"runtime.train_global_batch_size={samples}",
+                 f"runtime.train_micro_batch_size={samples // wl.micro_steps}",
+                 f"models.policy.args_dict.max_new_tokens={wl.new_tokens}", "models.policy.args_dict.min_new_tokens=0",
+                 f"models.policy.args_dict.num_inference_per_prompt={wl.per_prompt}",
+                 f"runtime.eval_data_path={eval_data}", "runtime.eval_episode_interval=1",
+                 "runtime.enable_eval_before_training=true", f"runtime.max_staleness={k}", *LAYOUT, *wl.ours]
+    wall = run_train(out, overrides, f"chatlearn train (max_staleness {k})")
+    rows = [json.loads(line) for line in (out / "vs_trl" / "metrics.jsonl").read_text().splitlines()]
+    steady = [r["episode_seconds"] for r in rows[2:]] or [r["episode_seconds"] for r in rows]
+    seconds = statistics.median(steady)
+    curve = [(0, rows[0].get("eval_reward_mean_before_training"))]
+    curve += [(r["consumed_samples"], r.get("eval_reward_mean")) for r in rows]
+    return {"max_staleness": k, "wall_seconds": wall, "episode_seconds": [r["episode_seconds"] for r in rows],
+            "steady_episode_seconds": seconds, "samples_per_second": samples / seconds,
+            "stage_seconds": [r.get("stage_seconds", {}) for r in rows],
+            "staleness_mean": statistics.mean(r.get("staleness_mean", 0.0) for r in rows),
+            "staleness_max": max(r.get("staleness_max", 0.0) for r in rows),
+            "dropped_stale": sum(r.get("dropped_stale", 0.0) for r in rows),
+            "reward_mean": [r.get("reward_mean") for r in rows],
+            "response_length_mean": statistics.mean(r.get("response_length_mean", 0.0) for r in rows),
+            "eval_curve": curve}
+
+
+def plot(variants: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for v in variants:
+        xs, ys = zip(*[(x, y) for x, y in v["eval_curve"] if y is not None], strict=True)
+        left.plot(xs, ys, marker="o", label=f"max_staleness {v['max_staleness']}")
+        right.plot(range(1, len(v["episode_seconds"]) + 1), v["episode_seconds"], marker="o",
+                   label=f"max_staleness {v['max_staleness']}")
+    left.set_xlabel("samples trained")
+    left.set_ylabel("eval reward (mean)")
+    left.set_title("eval reward against samples trained")
+    right.set_xlabel("episode")
+    right.set_ylabel("seconds")
+    right.set_title("seconds per episode")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=110)
+
+
+def main(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--episodes", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=64, help="prompts an episode (8 samples each)")
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    args = p.parse_args(argv)
+    wl = WORKLOADS["variable"]
+    work = Path(tempfile.mkdtemp(prefix="bench-async-"))
+    model, data, eval_data = work / "model", work / "prompts.jsonl", work / "eval.jsonl"
+    built = build_model(model, wl)
+    write_prompts(data, args.prompts * args.episodes, wl)
+    write_prompts(eval_data, args.prompts * args.episodes + EVAL_PROMPTS, wl)  # the same seed: keep the tail
+    lines = eval_data.read_text().splitlines()[-EVAL_PROMPTS:]
+    eval_data.write_text("\n".join(lines) + "\n")
+    variants = []
+    for k in args.staleness:
+        variants.append(run_variant(work, model, data, eval_data, k, args))
+        v = variants[-1]
+        print(f"max_staleness {k}: {v['samples_per_second']:.2f} samples/s, staleness {v['staleness_mean']:.2f}, "
+              f"eval {v['eval_curve'][-1][1]}", file=sys.stderr)
+    base = next(v for v in variants if v["max_staleness"] == 0) if 0 in args.staleness else variants[0]
+    for v in variants:
+        v["speedup"] = v["samples_per_second"] / base["samples_per_second"]
+        v["eval_reward_minus_sync"] = v["eval_curve"][-1][1] - base["eval_curve"][-1][1]
+    result = {"settings": {"prompts": args.prompts, "samples_per_episode": args.prompts * wl.per_prompt,
+                           "episodes": args.episodes, "new_tokens": wl.new_tokens,
+                           "prompt_tokens": wl.prompt_tokens, "eos_alpha": built["eos_alpha"],
+                           "eval_prompts": EVAL_PROMPTS, "layout": LAYOUT, "overrides": list(wl.ours),
+                           "machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
+                           "partial_rollouts": "not implemented yet (issue 26 item 3)"},
+              "variants": variants}
+    print(f"\n{args.prompts} prompts x {wl.per_prompt} samples an episode, {args.episodes} episodes, responses up to "
+          f"{wl.new_tokens} tokens; one generation process, one training process")
+    print(f"{'max_staleness':>13s} {'s/episode':>10s} {'samples/s':>10s} {'speed-up':>9s} {'staleness':>10s} "
+          f"{'eval after':>11s} {'vs sync':>8s}")
+    for v in variants:
+        print(f"{v['max_staleness']:13d} {v['steady_episode_seconds']:10.1f} {v['samples_per_second']:10.2f} "
+              f"{v['speedup']:9.2f} {v['staleness_mean']:10.2f} {v['eval_curve'][-1][1]:11.4f} "
+              f"{v['eval_reward_minus_sync']:+8.4f}")
+    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    plot(variants)
+    print(f"wrote {RESULT.relative_to(REPO)} and {PLOT.relative_to(REPO)}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
