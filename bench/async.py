@@ -9,12 +9,13 @@ with the layout overridden). Every `max_staleness` in `--staleness` (default 0, 
 training and after every episode.
 
 Per variant: samples per second (the episode's samples over the median `episode_seconds` of the episodes after
-the first two: the pipeline fills in the first ones), the staleness the trainer saw, and the eval reward after
+the first two: the pipeline fills in the first ones) and generated tokens per second (responses lengthen as
+the policy learns, at each variant's own pace), the staleness the trainer saw, and the eval reward after
 each episode against the samples trained. The speed-up is each variant's samples per second over
 `max_staleness: 0`'s; the eval reward is compared at equal samples (after the last episode). Prints a table,
 writes `bench/results/async.json` and plots the curves in `bench/results/async.png`.
 
-    .venv/bin/python bench/async.py [--episodes 6] [--prompts 64] [--staleness 0 1 2]
+    .venv/bin/python bench/async.py [--episodes 6] [--prompts 64] [--staleness 0 1 2] [--work DIR]
 """
 
 import argparse
@@ -54,14 +55,22 @@ def run_variant(work: Path, model: Path, data: Path, eval_data: Path, k: int, ar
                  f"models.policy.args_dict.num_inference_per_prompt={wl.per_prompt}",
                  f"runtime.eval_data_path={eval_data}", "runtime.eval_episode_interval=1",
                  "runtime.enable_eval_before_training=true", f"runtime.max_staleness={k}", *LAYOUT, *wl.ours]
-    wall = run_train(out, overrides, f"chatlearn train (max_staleness {k})")
-    rows = [json.loads(line) for line in (out / "vs_trl" / "metrics.jsonl").read_text().splitlines()]
-    steady = [r["episode_seconds"] for r in rows[2:]] or [r["episode_seconds"] for r in rows]
-    seconds = statistics.median(steady)
+    metrics = out / "vs_trl" / "metrics.jsonl"
+    if args.work and metrics.exists():  # --work: a finished variant of an earlier run is read, not run again
+        wall = None
+    else:
+        wall = run_train(out, overrides, f"chatlearn train (max_staleness {k})")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    kept = rows[2:] or rows
+    seconds = statistics.median(r["episode_seconds"] for r in kept)
+    # responses lengthen as the policy learns, and at a different pace per variant: tokens per second too
+    tokens = statistics.median(samples * r["response_length_mean"] / r["episode_seconds"] for r in kept)
     curve = [(0, rows[0].get("eval_reward_mean_before_training"))]
     curve += [(r["consumed_samples"], r.get("eval_reward_mean")) for r in rows]
     return {"max_staleness": k, "wall_seconds": wall, "episode_seconds": [r["episode_seconds"] for r in rows],
             "steady_episode_seconds": seconds, "samples_per_second": samples / seconds,
+            "generated_tokens_per_second": tokens,
+            "response_length_mean_per_episode": [r.get("response_length_mean") for r in rows],
             "stage_seconds": [r.get("stage_seconds", {}) for r in rows],
             "staleness_mean": statistics.mean(r.get("staleness_mean", 0.0) for r in rows),
             "staleness_max": max(r.get("staleness_max", 0.0) for r in rows),
@@ -101,9 +110,10 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--episodes", type=int, default=6)
     p.add_argument("--prompts", type=int, default=64, help="prompts an episode (8 samples each)")
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--work", type=Path, help="the folder of an earlier run: its finished variants are read again")
     args = p.parse_args(argv)
     wl = WORKLOADS["variable"]
-    work = Path(tempfile.mkdtemp(prefix="bench-async-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-async-"))
     model, data, eval_data = work / "model", work / "prompts.jsonl", work / "eval.jsonl"
     built = build_model(model, wl)
     write_prompts(data, args.prompts * args.episodes, wl)
@@ -119,6 +129,7 @@ def main(argv: list[str]) -> dict:
     base = next(v for v in variants if v["max_staleness"] == 0) if 0 in args.staleness else variants[0]
     for v in variants:
         v["speedup"] = v["samples_per_second"] / base["samples_per_second"]
+        v["tokens_speedup"] = v["generated_tokens_per_second"] / base["generated_tokens_per_second"]
         v["eval_reward_minus_sync"] = v["eval_curve"][-1][1] - base["eval_curve"][-1][1]
     result = {"settings": {"prompts": args.prompts, "samples_per_episode": args.prompts * wl.per_prompt,
                            "episodes": args.episodes, "new_tokens": wl.new_tokens,
@@ -129,12 +140,12 @@ def main(argv: list[str]) -> dict:
               "variants": variants}
     print(f"\n{args.prompts} prompts x {wl.per_prompt} samples an episode, {args.episodes} episodes, responses up to "
           f"{wl.new_tokens} tokens; one generation process, one training process")
-    print(f"{'max_staleness':>13s} {'s/episode':>10s} {'samples/s':>10s} {'speed-up':>9s} {'staleness':>10s} "
-          f"{'eval after':>11s} {'vs sync':>8s}")
+    print(f"{'max_staleness':>13s} {'s/episode':>10s} {'samples/s':>10s} {'speed-up':>9s} {'tokens/s':>9s} "
+          f"{'speed-up':>9s} {'staleness':>10s} {'eval after':>11s} {'vs sync':>8s}")
     for v in variants:
         print(f"{v['max_staleness']:13d} {v['steady_episode_seconds']:10.1f} {v['samples_per_second']:10.2f} "
-              f"{v['speedup']:9.2f} {v['staleness_mean']:10.2f} {v['eval_curve'][-1][1]:11.4f} "
-              f"{v['eval_reward_minus_sync']:+8.4f}")
+              f"{v['speedup']:9.2f} {v['generated_tokens_per_second']:9.0f} {v['tokens_speedup']:9.2f} "
+              f"{v['staleness_mean']:10.2f} {v['eval_curve'][-1][1]:11.4f} {v['eval_reward_minus_sync']:+8.4f}")
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
     plot(variants)
     print(f"wrote {RESULT.relative_to(REPO)} and {PLOT.relative_to(REPO)}")

@@ -146,6 +146,14 @@ class RuntimeConfig(Section):
         "the weights its previous episode trained, one stage after another). Needs the generating model in its "
         "own processes (not in a runtime.colocation group); each episode logs staleness_mean/max and dropped_stale",
     )
+    use_partial_rollout: bool = Field(
+        default=False, description="partial rollouts (ChatLearn HEAD): long responses continued over several "
+        "episodes, at most max_new_tokens * rollout_ratio[i] tokens in round i; not supported yet",
+    )
+    partial_rollout_manager_config: dict[str, Any] | None = Field(
+        default=None, description="partial rollouts' max_rollout_round, rollout_ratio, mini_response_per_prompt "
+        "(ChatLearn HEAD); not supported yet",
+    )
     data_shuffle: bool = Field(
         default=True,
         description="shuffle the prompts in each pass over the dataset, seeded by (seed, pass) "
