@@ -342,7 +342,8 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     if run.versions is not None:  # pipelined: the next max_staleness episodes generate while this one trains
         def call(ep: int, params: dict[str, Any], next_ep: int | None) -> Any:
             return episodes(episode_name(ep), params, next_name=episode_name(next_ep) if next_ep is not None else None)
-        pipeline = Pipeline(call, run, first, rt.num_episode, consumed)
+        pipeline = Pipeline(call, run, first, rt.num_episode, consumed,
+                            prepare=lambda ep: episodes.prepare(episode_name(ep)))
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()

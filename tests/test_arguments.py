@@ -112,6 +112,9 @@ DECLARED_EXTRAS = {
         "seed": 42,
         "engine": "rlhf",
         "rollout_engine": "hf",  # HEAD's default is vllm, a GPU build this project refuses (not supported yet)
+        "max_staleness": 0,  # pipelined episodes (the peers' name, TRL's max_staleness); 0 is ChatLearn's episode
+        "use_partial_rollout": False,  # HEAD's partial rollouts: declared, refused until built
+        "partial_rollout_manager_config": None,
         "data_shuffle": True,
         "eval_data_path": None,
         "eval_post_process_fn": None,

@@ -121,3 +121,36 @@ def test_waiting_for_a_version_ends_at_the_deadline_or_when_the_pipeline_gives_u
     versions.release_below(3)
     assert versions.versions() == []
     assert pickle.loads(pickle.dumps(versions)) == "WeightVersions(ppo_policy->policy, max_staleness=1)"
+
+
+def test_the_next_episode_starts_while_this_one_trains_and_scores_only_after_it(monkeypatch):
+    """The pipeline's order with k = 1, on fake episodes: episode 1's subflow starts once episode 0 has generated
+    (while 0 is still running), and passes its gate only after the train flow took episode 0's result."""
+    monkeypatch.setattr(EpisodePlan, "producer", property(lambda self: "policy"))
+    run = _handle(max_staleness=1)
+    route = SyncRoute(key="ppo_policy->policy", src="ppo_policy", dst="policy", src_ranks=["a"], dst_ranks=[["b"]])
+    run.versions = WeightVersions(route, actor=None, max_staleness=1, timeout_s=10)
+    run.versions._put(0, "v0")  # published at the start
+    events, started = [], {e: threading.Event() for e in range(3)}
+
+    def call(episode, params, next_episode):
+        started[episode].set()
+        events.append(("generated", episode))
+        params["gate"].generated()
+        if episode == 0:  # still "training" when episode 1 starts
+            assert started[1].wait(5)
+        start_iteration = params["gate"].wait()
+        events.append(("trained", episode, start_iteration))
+        run.versions._put(episode + 1, f"v{episode + 1}")  # the sync stage's publish
+        return {"episode": episode, "iteration": start_iteration + 2}
+
+    prepared = []
+    pipe = Pipeline(call, run, first=0, num_episode=3, consumed_samples=0, prepare=prepared.append)
+    iteration = 0
+    for episode in range(3):
+        iteration = pipe.run(episode, iteration)["iteration"]
+    pipe.close()
+    assert iteration == 6
+    assert events.index(("generated", 1)) < events.index(("trained", 0, 0))  # overlap
+    assert [e for e in events if e[0] == "trained"] == [("trained", 0, 0), ("trained", 1, 2), ("trained", 2, 4)]
+    assert prepared[:3] == [0, 1, 2]  # flow runs asked for an episode before they may start

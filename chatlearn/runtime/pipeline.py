@@ -92,11 +92,13 @@ def _wait(event: threading.Event) -> None:
 
 class Pipeline:
     """Episodes from ``first`` to ``num_episode - 1``, up to ``run.max_staleness`` ahead of the one the train flow
-    is on. ``call(episode, parameters, next_episode)`` runs one episode's subflow (`Subflows`)."""
+    is on. ``call(episode, parameters, next_episode)`` runs one episode's subflow (`Subflows`); ``prepare(episode)``
+    has its flow run created in the background (`Subflows.prepare`), one episode before it may start."""
 
     def __init__(self, call: Callable[[int, dict[str, Any], int | None], Any], run: RunHandle, first: int,
-                 num_episode: int, consumed_samples: int) -> None:
+                 num_episode: int, consumed_samples: int, prepare: Callable[[int], None] | None = None) -> None:
         self.call, self.run_handle, self.num_episode = call, run, num_episode
+        self.prepare = prepare
         self.k = run.max_staleness
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.k + 1, thread_name_prefix="episode")
         self._futures: dict[int, concurrent.futures.Future] = {}
@@ -117,6 +119,9 @@ class Pipeline:
 
     def run(self, episode: int, start_iteration: int) -> Any:
         """Episode ``episode`` to its end (its metrics), the next ones started ahead."""
+        if self.prepare is not None:  # their records, one episode further ahead: ready when they may start
+            for e in range(episode, min(episode + self.k + 1, self.num_episode - 1) + 1):
+                self.prepare(e)
         for e in range(episode, min(episode + self.k, self.num_episode - 1) + 1):
             if e not in self._futures:
                 self._start(e)

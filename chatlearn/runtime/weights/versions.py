@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from safetensors.torch import load_file, save_file
 
 from chatlearn.runtime.calls.stopping import Stopped, stop_signal, stopping
 from chatlearn.runtime.calls.waiting import StageClock, StageTimeout
@@ -39,9 +40,6 @@ def generation_version(episode: int, max_staleness: int) -> int:
 def _save_weights(weights: dict[str, Any], path: str) -> str:
     """In a Ray worker: one version's weights as safetensors (tied names, one tensor in memory, are written as
     copies of their own: safetensors refuses shared storage)."""
-    import torch
-    from safetensors.torch import save_file
-
     seen: set[int] = set()
     out = {}
     for name, t in weights.items():
@@ -51,13 +49,10 @@ def _save_weights(weights: dict[str, Any], path: str) -> str:
     tmp = path + ".tmp"
     save_file(out, tmp)
     os.replace(tmp, path)  # never half a file under the name a resume reads
-    del torch
     return path
 
 
 def _load_weights(path: str) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
     return load_file(path)
 
 
