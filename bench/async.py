@@ -16,6 +16,7 @@ each episode against the samples trained. The speed-up is each variant's samples
 writes `bench/results/async.json` and plots the curves in `bench/results/async.png`.
 
     .venv/bin/python bench/async.py [--episodes 6] [--prompts 64] [--staleness 0 1 2] [--work DIR]
+        [--extra key=value ... --tag NAME]   # e.g. a rollout correction, written to async-NAME.json
 """
 
 import argparse
@@ -46,7 +47,7 @@ def run_variant(work: Path, model: Path, data: Path, eval_data: Path, k: int, ar
     samples = args.prompts * wl.per_prompt
     os.environ.update(VS_TRL_MODEL=str(model), VS_TRL_DATA=str(data),
                       PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")])))
-    out = work / f"staleness-{k}"
+    out = work / (f"staleness-{k}" + (f"-{args.tag}" if args.tag else ""))
     overrides = [str(CONFIG.relative_to(REPO)), f"runtime.num_episode={args.episodes}",
                  f"runtime.sample_per_episode={samples}", f"runtime.generation_batch_size={samples}",
                  f"runtime.train_global_batch_size={samples}",
@@ -54,7 +55,8 @@ def run_variant(work: Path, model: Path, data: Path, eval_data: Path, k: int, ar
                  f"models.policy.args_dict.max_new_tokens={wl.new_tokens}", "models.policy.args_dict.min_new_tokens=0",
                  f"models.policy.args_dict.num_inference_per_prompt={wl.per_prompt}",
                  f"runtime.eval_data_path={eval_data}", "runtime.eval_episode_interval=1",
-                 "runtime.enable_eval_before_training=true", f"runtime.max_staleness={k}", *LAYOUT, *wl.ours]
+                 "runtime.enable_eval_before_training=true", f"runtime.max_staleness={k}", *LAYOUT, *wl.ours,
+                 *args.extra]
     metrics = out / "vs_trl" / "metrics.jsonl"
     if args.work and metrics.exists():  # --work: a finished variant of an earlier run is read, not run again
         wall = None
@@ -80,7 +82,7 @@ def run_variant(work: Path, model: Path, data: Path, eval_data: Path, k: int, ar
             "eval_curve": curve}
 
 
-def plot(variants: list[dict]) -> None:
+def plot(variants: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +104,7 @@ def plot(variants: list[dict]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str]) -> dict:
@@ -111,6 +113,9 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--prompts", type=int, default=64, help="prompts an episode (8 samples each)")
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--work", type=Path, help="the folder of an earlier run: its finished variants are read again")
+    p.add_argument("--extra", nargs="*", default=[], help="key=value overrides for every variant (e.g. a "
+                   "rollout correction); with --tag, their variants get folders of their own")
+    p.add_argument("--tag", default="", help="suffix of the variants' folders (and of the result files)")
     args = p.parse_args(argv)
     wl = WORKLOADS["variable"]
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-async-"))
@@ -146,9 +151,12 @@ def main(argv: list[str]) -> dict:
         print(f"{v['max_staleness']:13d} {v['steady_episode_seconds']:10.1f} {v['samples_per_second']:10.2f} "
               f"{v['speedup']:9.2f} {v['generated_tokens_per_second']:9.0f} {v['tokens_speedup']:9.2f} "
               f"{v['staleness_mean']:10.2f} {v['eval_curve'][-1][1]:11.4f} {v['eval_reward_minus_sync']:+8.4f}")
-    RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    plot(variants)
-    print(f"wrote {RESULT.relative_to(REPO)} and {PLOT.relative_to(REPO)}")
+    result["settings"]["extra"] = list(args.extra)
+    suffix = f"-{args.tag}" if args.tag else ""
+    out, png = RESULT.with_stem(RESULT.stem + suffix), PLOT.with_stem(PLOT.stem + suffix)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(variants, png)
+    print(f"wrote {out.relative_to(REPO)} and {png.relative_to(REPO)}")
     return result
 
 
