@@ -57,6 +57,7 @@ class Subflows:
         self.flow = flow
         self._ahead: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()  # pipelined episodes call from several threads
+        self._taken: set[str] = set()  # names whose flow run a call took: never created again
         self._serialized: dict[int, tuple[Any, Any]] = {}  # id -> (object, its JSON form): the same RunHandle
 
     def prepare(self, name: str) -> None:
@@ -66,7 +67,7 @@ class Subflows:
         if parent is None or parent.flow_run is None or link is None or not link.up:
             return
         with self._lock:
-            if name in self._ahead:
+            if name in self._ahead or name in self._taken:
                 return
             future: concurrent.futures.Future = concurrent.futures.Future()
             self._ahead[name] = future
@@ -102,6 +103,7 @@ class Subflows:
     def _take(self, name: str) -> _Prepared | None:
         with self._lock:
             future = self._ahead.pop(name, None)
+            self._taken.add(name)
         if future is None:
             return None
         try:
