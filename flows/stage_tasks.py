@@ -31,7 +31,7 @@ from chatlearn.runtime.records.evaluation import eval_metrics, eval_results
 from chatlearn.runtime.records.reporting import artifact_key
 from chatlearn.runtime.schedule import checkpoint_due, every
 from chatlearn.runtime.weights.sync import sync_routes
-from chatlearn.runtime.weights.versions import generation_version
+from chatlearn.runtime.weights.versions import generation_version, policy_turn
 from chatlearn.utils.errors import RunError, find_run_error
 from chatlearn.utils.storage import writing
 from flows.model_calls import Batches, run_calls
@@ -99,14 +99,11 @@ def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
                                          run.generation_batch_size, replicas, run.shuffle_seed, run.group_size)
     first_iteration = episode * len(prompts)
     # stream positions identify samples: per-sample seeds make responses independent of the batching
-    batches = Batches(len(prompts), first_iteration, prompts, episode_start=consumed_samples)
-    if run.versions is None:
+    # pipelined: on the weights of max_staleness episodes before, whatever trains meanwhile
+    version = generation_version(episode, run.max_staleness) if run.versions is not None else None
+    batches = Batches(len(prompts), first_iteration, prompts, episode_start=consumed_samples, policy_version=version)
+    with policy_turn(run.versions, flow.producer.model, version, clock):
         done = run_calls(run, flow, [0], {}, batches, clock)
-    else:  # pipelined: on the weights of max_staleness episodes before, whatever trains meanwhile
-        batches.policy_version = generation_version(episode, run.max_staleness)
-        with run.versions.turn:
-            run.versions.load(batches.policy_version, clock)
-            done = run_calls(run, flow, [0], {}, batches, clock)
     return RefBox(done[0].refs, seconds=clock.seconds(), num_batches=len(prompts),
                   num_samples=sum(len(idx) for _, idx, _ in prompts), first_iteration=first_iteration,
                   episode=episode, first_sample_id=consumed_samples)
@@ -216,12 +213,9 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     prompts = [(r, idx, None) for r, idx in eval_prompt_batches(run.eval_dataset_size, run.generation_batch_size,
                                                                replicas)]
     batches = Batches(len(prompts), 0, prompts, is_eval=True, episode_start=0)
-    if run.versions is None or flow.producer.model != run.versions.model:
+    # pipelined: on the weights this episode trained, while the next episodes generate on older ones
+    with policy_turn(run.versions, flow.producer.model, episode + 1, clock):
         done = run_calls(run, flow, list(range(len(flow.nodes))), {}, batches, clock)
-    else:  # pipelined: on the weights this episode trained, while the next episodes generate on older ones
-        with run.versions.turn:
-            run.versions.load(episode + 1, clock)
-            done = run_calls(run, flow, list(range(len(flow.nodes))), {}, batches, clock)
     outputs = [clock.get(done[i].refs, flow.nodes[i].name) for i in flow.outputs()]
     results = eval_results([merge_batches(*parts) for parts in zip(*outputs, strict=True)])
     context = {"episode_iteration": episode, "train_iteration": (trained or {}).get("iteration")}

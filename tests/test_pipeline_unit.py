@@ -154,3 +154,20 @@ def test_the_next_episode_starts_while_this_one_trains_and_scores_only_after_it(
     assert events.index(("generated", 1)) < events.index(("trained", 0, 0))  # overlap
     assert [e for e in events if e[0] == "trained"] == [("trained", 0, 0), ("trained", 1, 2), ("trained", 2, 4)]
     assert prepared[:3] == [0, 1, 2]  # flow runs asked for an episode before they may start
+
+
+def test_a_saved_version_keeps_tied_weights_one_tensor(tmp_path):
+    """A version written with the checkpoint (`_save_weights`, run as a Ray task) and read back for a resume:
+    a tied embedding is stored once, with its alias in the header, and comes back as one tensor."""
+    import torch
+
+    from chatlearn.checkpoint.model_checkpoint import load_weights
+    from chatlearn.runtime.weights.versions import _save_weights
+
+    embed = torch.randn(5, 3)
+    weights = {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "model.norm.weight": torch.ones(3)}
+    path = _save_weights(weights, str(tmp_path / "version_0000001.safetensors"))
+    back = load_weights(path)
+    assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+    assert back["lm_head.weight"] is back["model.embed_tokens.weight"]
+    assert not (tmp_path / "version_0000001.safetensors.tmp").exists()

@@ -291,32 +291,23 @@ def _sync_frequency(cfg: ChatLearnConfig, spec: EngineSpec) -> list[str]:
 
 def _pipelined(cfg: ChatLearnConfig, engine: str, spec: EngineSpec) -> list[str]:
     """``runtime.max_staleness`` > 0 overlaps the generating model (the policy, receiving the trainer's weights)
-    with scoring and training: it needs processes of its own, a sync every episode, and old log-probs that are
-    not the training forward's own."""
+    with scoring and training: it needs processes of its own and a sync every episode (its old log-probs:
+    `_old_logprobs`)."""
     k, rt = cfg.runtime.max_staleness, cfg.runtime
     if k == 0:
         return []
     # the built-in engines generate with `policy`, the inference copy of `ppo_policy`
-    receivers = [(src, dst) for src, dst in spec.sync if src in cfg.models and dst == "policy" in cfg.models]
-    if not receivers:
+    src = next((s for s, d in spec.sync if d == "policy" and s in cfg.models and d in cfg.models), None)
+    if src is None:
         return [f"runtime.max_staleness: {k}, but the {engine!r} engine does not generate with a copy of the model "
                 f"it trains (a policy synced from ppo_policy): there is nothing to overlap; leave it at 0"]
-    problems = []
-    for src, dst in receivers:
-        for group in rt.colocation_groups:
-            if dst in group and len(group) > 1:
-                problems.append(
-                    f"runtime.colocation: {dst!r} is colocated with {[m for m in group if m != dst]}, but "
-                    f"runtime.max_staleness: {k} runs its generation while {src!r} trains: it needs processes of "
-                    f"its own (take it out of the group, or set max_staleness: 0)")
-        if cfg.models[dst].sync_frequency != 1:
-            problems.append(f"models.{dst}.sync_frequency: {cfg.models[dst].sync_frequency} with runtime."
-                            f"max_staleness: {k} is not supported yet (the pipeline syncs every episode); set it to 1")
-    trainer = (cfg.models["ppo_policy"].args_dict or {}) if "ppo_policy" in cfg.models else {}
-    if engine == "grpo" and trainer.get("old_logprobs") == "current":
-        problems.append(f"models.ppo_policy.args_dict.old_logprobs: current takes the training forward's own "
-                        f"log-probs as the old ones, but with runtime.max_staleness: {k} the samples come from "
-                        f"older weights; use generation (the behaviour policy's) or trainer")
+    problems = [f"runtime.colocation: 'policy' is colocated with {[m for m in group if m != 'policy']}, but "
+                f"runtime.max_staleness: {k} runs its generation while {src!r} trains: it needs processes of its own "
+                f"(take it out of the group, or set max_staleness: 0)"
+                for group in rt.colocation_groups if "policy" in group and len(group) > 1]
+    if cfg.models["policy"].sync_frequency != 1:
+        problems.append(f"models.policy.sync_frequency: {cfg.models['policy'].sync_frequency} with runtime."
+                        f"max_staleness: {k} is not supported yet (the pipeline syncs every episode); set it to 1")
     return problems
 
 
@@ -437,6 +428,10 @@ def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
                 f"the sampler's, and the proximal log-probs are the trainer's own forward pass: set old_logprobs: "
                 f"trainer (it is {source})"]
     if source == "current":
+        if rt.max_staleness > 0:
+            return [f"models.ppo_policy.args_dict.old_logprobs: current takes the training forward's own "
+                    f"log-probs as the old ones, but with runtime.max_staleness: {rt.max_staleness} the samples "
+                    f"come from older weights; use generation (the behaviour policy's) or trainer"]
         # a train_global_batch_size <= 0 is the runtime check's to name
         if rt.train_global_batch_size <= 0 or rt.steps_per_episode == 1:
             return []

@@ -9,8 +9,6 @@ trained together), and counted.
 from collections.abc import Sequence
 from typing import Any
 
-STALENESS_METRICS = ("staleness_mean", "staleness_max", "dropped_stale")
-
 
 def drop_stale(samples: Sequence[dict[str, Any]], trained_version: int, max_staleness: int,
                group_size: int = 1) -> tuple[list[dict[str, Any]], dict[str, float]]:

@@ -126,11 +126,11 @@ class ModelHost:
         """
         samples = fetch(samples, self.runtime_args.stage_timeout_s)
         rt = self.runtime_args
-        staleness: dict[str, float] = {}  # and the other statistics of the samples, before training
+        sample_stats: dict[str, float] = {}  # of the episode's samples, before training
         if rt.max_staleness > 0:  # pipelined: the trainer is at version `episode` (one per episode trained)
-            samples, staleness = drop_stale(samples, episode, rt.max_staleness, group_size)
+            samples, sample_stats = drop_stale(samples, episode, rt.max_staleness, group_size)
         if hasattr(self.module, "episode_stats"):  # what a trainer reports of the samples themselves
-            staleness.update(self.module.episode_stats(samples))
+            sample_stats.update(self.module.episode_stats(samples))
         steps = training_batches(samples, rt.train_micro_batch_size, rt.train_global_batch_size,
                                  rt.num_training_epoch, seed=self.module.seed, episode=episode,
                                  group_size=group_size)
@@ -143,7 +143,7 @@ class ModelHost:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         result: dict[str, Any] = {k: v / max(1, len(steps)) for k, v in sums.items()}
-        result.update(iteration=iteration, num_steps=len(steps), num_samples=len(samples), **staleness)
+        result.update(iteration=iteration, num_steps=len(steps), num_samples=len(samples), **sample_stats)
         return result
 
     # -- sync / checkpoint / hooks --------------------------------------------------------------------------

@@ -16,18 +16,21 @@ are written with the checkpoint (`save`) and read back by `restore`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from chatlearn.checkpoint.model_checkpoint import load_weights
 from chatlearn.runtime.calls.stopping import Stopped, stop_signal, stopping
 from chatlearn.runtime.calls.waiting import StageClock, StageTimeout
 from chatlearn.runtime.weights.sync import SyncRoute
+from chatlearn.utils.tied import separate_storage, without_aliases
 
 _POLL_S = 0.2
 
@@ -38,26 +41,31 @@ def generation_version(episode: int, max_staleness: int) -> int:
 
 
 def _save_weights(weights: dict[str, Any], path: str) -> str:
-    """In a Ray worker: one version's weights as safetensors (tied names, one tensor in memory, are written as
-    copies of their own: safetensors refuses shared storage)."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in weights.items():
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = t.detach().clone().contiguous() if ptr in seen else t.detach().contiguous()
-        seen.add(ptr)
+    """In a Ray worker: one version's weights as safetensors, tied names stored once with their aliases in the
+    header, as model checkpoints are (`chatlearn.utils.tied`; read back by `load_weights`)."""
+    unique, aliases = without_aliases(weights)
     tmp = path + ".tmp"
-    save_file(out, tmp)
+    save_file(separate_storage({k: v.detach().contiguous() for k, v in unique.items()}), tmp,
+              metadata=aliases or None)
     os.replace(tmp, path)  # never half a file under the name a resume reads
     return path
 
 
-def _load_weights(path: str) -> dict[str, Any]:
-    return load_file(path)
-
-
 _SAVE = ray.remote(num_cpus=0, max_retries=0)(_save_weights)
-_LOAD = ray.remote(num_cpus=0, max_retries=0)(_load_weights)
+_LOAD = ray.remote(num_cpus=0, max_retries=0)(load_weights)
+
+
+@contextlib.contextmanager
+def policy_turn(versions: WeightVersions | None, model: str | None, version: int | None,
+                clock: StageClock) -> Iterator[None]:
+    """Around a stage's calls of ``model``: in pipelined episodes, when it is the policy, the policy's `turn` with
+    ``version`` loaded (no other stage's calls in between); otherwise nothing."""
+    if versions is None or model != versions.model or version is None:
+        yield
+        return
+    with versions.turn:
+        versions.load(version, clock)
+        yield
 
 
 class WeightVersions:
