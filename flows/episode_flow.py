@@ -75,6 +75,9 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
         metrics["policy_versions"] = ck["policy_versions"]
     if ck["relay_path"]:
         metrics["relay_checkpoint"] = ck["relay_path"]
+    if ck["partial_rollouts"]:
+        metrics["partial_rollouts"] = ck["partial_rollouts"]
+    metrics.update(gen.meta.get("partial", {}))
     timing = {"generate": gen.meta["seconds"], "score": exp.meta["seconds"], "train": tr["seconds"],
               "sync": sy["seconds"], "checkpoint": ck["seconds"]}
     if evaluated is not None:

@@ -39,6 +39,7 @@ class Batches:
     episode_start: int | None = None  # the first sample id of the episode (0 for the eval set), for errors
     train: dict[str, Any] | None = None  # a trainer flow's: what each train call gets besides the samples
     policy_version: int | None = None  # pipelined episodes: the weights version the producer generates on
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # partial rollouts: each prompt batch's round
 
 
 def _step_batch(fn: Any, *inputs: Any) -> tuple[bool, Any]:
@@ -67,7 +68,8 @@ def _send(run: RunHandle, flow: ComputeFlow, index: int, upstream: list[RefBox],
     if index == 0:  # the producer reads the dataset
         return [heads[r].generate.remote(idx, batches.first_iteration + i, is_eval=batches.is_eval, sample_ids=ids,
                                          group_size=run.group_size if not batches.is_eval else 1,
-                                         flow_method=node.method, policy_version=batches.policy_version)
+                                         flow_method=node.method, policy_version=batches.policy_version,
+                                         **(batches.rounds[i] if batches.rounds else {}))
                 for i, (r, idx, ids) in enumerate(batches.prompts)]
     calls = []
     for i in range(batches.count):

@@ -17,11 +17,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import ray
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from chatlearn.data.batch import merge_batches
+from chatlearn.data.batch import collate_samples, merge_batches, split_batch
+from chatlearn.data.partial_rollout import continuation_batches
 from chatlearn.data.sampler import episode_generation_batches, eval_prompt_batches
 from chatlearn.runtime.calls.handles import RefBox, RunHandle
 from chatlearn.runtime.calls.waiting import StageClock
@@ -97,16 +99,31 @@ def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
     replicas = len(run.actors[flow.producer.model])
     prompts = episode_generation_batches(run.dataset_size, consumed_samples, run.sample_per_episode,
                                          run.generation_batch_size, replicas, run.shuffle_seed, run.group_size)
+    num_samples = sum(len(idx) for _, idx, _ in prompts)
     first_iteration = episode * len(prompts)
     # stream positions identify samples: per-sample seeds make responses independent of the batching
     # pipelined: on the weights of max_staleness episodes before, whatever trains meanwhile
-    version = generation_version(episode, run.max_staleness) if run.versions is not None else None
-    batches = Batches(len(prompts), first_iteration, prompts, episode_start=consumed_samples, policy_version=version)
+    version = (generation_version(episode, run.max_staleness)
+               if run.versions is not None or run.partial is not None else None)
+    rounds: list[dict[str, Any]] = []
+    if run.partial is not None:  # partial rollouts: the responses begun earlier go on first, then round 0
+        continued = continuation_batches(run.partial.before(episode).unfinished, run.partial.budgets,
+                                         run.generation_batch_size)
+        rounds = [{"continued": ray.put(samples), "max_new_tokens": budget} for budget, samples in continued]
+        prompts = [(i % replicas, [], [s["sample_id"] for s in samples])
+                   for i, (_, samples) in enumerate(continued)] + prompts
+        rounds += [{"max_new_tokens": run.partial.budgets[0]}] * (len(prompts) - len(rounds))
+    batches = Batches(len(prompts), first_iteration, prompts, episode_start=consumed_samples, policy_version=version,
+                      rounds=rounds)
     with policy_turn(run.versions, flow.producer.model, version, clock):
         done = run_calls(run, flow, [0], {}, batches, clock)
-    return RefBox(done[0].refs, seconds=clock.seconds(), num_batches=len(prompts),
-                  num_samples=sum(len(idx) for _, idx, _ in prompts), first_iteration=first_iteration,
-                  episode=episode, first_sample_id=consumed_samples)
+    refs, partial = done[0].refs, {}
+    if run.partial is not None:  # what finished goes on to scoring, by whole prompt groups; the rest waits
+        produced = [s for batch in clock.get(refs, flow.producer.model) for s in split_batch(batch)]
+        released, partial = run.partial.settle(episode, produced)
+        refs = [ray.put(collate_samples(b, run.pad_token_id)) for b in released]
+    return RefBox(refs, seconds=clock.seconds(), num_batches=len(refs), num_samples=num_samples,
+                  first_iteration=first_iteration, episode=episode, first_sample_id=consumed_samples, partial=partial)
 
 
 @task(name="score", cache_policy=NO_CACHE)
@@ -184,7 +201,7 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
     """
     clock = StageClock("checkpoint", episode, run.stage_timeout_s)
     paths: dict[str, str | None] = {}
-    relay_path = None
+    relay_path = partial = None
     versions: dict[int, str] = {}
     if checkpoint_due(run.save_episode_interval, episode, run.num_episode):
         iteration = trained["iteration"]
@@ -198,7 +215,12 @@ def checkpoint(run: RunHandle, episode: int, trained: dict) -> dict[str, Any]:
             with writing("the policy versions", version_dir):
                 versions = run.versions.save(list(range(generation_version(episode + 1, run.max_staleness),
                                                         episode + 1)), version_dir, clock)
-    return {"paths": paths, "relay_path": relay_path, "policy_versions": versions, "seconds": clock.seconds()}
+        if run.partial is not None:  # the responses in flight, as this episode's generation left them
+            partial_dir = os.path.join(run.data_checkpoint_path, "partial_rollouts", f"iter_{iteration:07d}")
+            with writing("the partial rollouts", partial_dir):
+                partial = run.partial.after(episode).save(partial_dir, episode)
+    return {"paths": paths, "relay_path": relay_path, "policy_versions": versions, "partial_rollouts": partial,
+            "seconds": clock.seconds()}
 
 
 @task(name="eval", cache_policy=NO_CACHE)

@@ -34,6 +34,9 @@ from chatlearn.checkpoint.resume import (
 )
 from chatlearn.checkpoint.run_config import inspect_run_dir, record_progress, record_start
 from chatlearn.config import ChatLearnConfig
+from chatlearn.config.engine_checks import max_new_tokens
+from chatlearn.data.partial_rollout import PartialRollouts, RolloutBuffer
+from chatlearn.data.relay import RelayCheckpointError
 from chatlearn.models.parallel import ParallelDims
 from chatlearn.runtime.calls.handles import RunHandle
 from chatlearn.runtime.calls.recovery import ProcessLost, alive_node_ids, process_loss
@@ -205,6 +208,8 @@ def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, gr
              run.stage_timeout_s)
     if cfg.runtime.max_staleness > 0:  # pipelined: the policy generates on published versions of the trainer
         _start_versions(run, eng, resumed)
+    if cfg.runtime.use_partial_rollout:
+        _start_partial(cfg, run, resumed)
     params = _parameter_counts(heads, eng.plan.trainers, run.stage_timeout_s)
     if eng.name == "grpo":  # say where the ratio's old log-probs come from
         src = ("the trainer's forward pass in the score stage" if eng.plan.calls(eng.plan.trainers[0], "forward_step")
@@ -231,6 +236,26 @@ def _start_versions(run: RunHandle, eng: ResolvedEngine, resumed: DataCheckpoint
                            f"max_staleness?)")
         run.versions.restore(resumed.policy_versions)
     run.versions.publish(resumed.episode + 1 if resumed is not None else 0, clock)
+
+
+def _start_partial(cfg: ChatLearnConfig, run: RunHandle, resumed: DataCheckpoint | None) -> None:
+    """Partial rollouts: nothing in flight at the start; on resume, the responses in flight the checkpoint holds
+    (`chatlearn.data.partial_rollout`)."""
+    rt = cfg.runtime
+    budgets = rt.partial_rollout_manager_config.round_budgets(max_new_tokens(cfg, run.plan.producer))
+    run.partial = PartialRollouts(budgets, run.group_size, run.generation_batch_size, keep=rt.max_staleness + 1)
+    buffer = None
+    if resumed is not None:
+        if not resumed.partial_rollouts:
+            raise RunError(f"the data checkpoint of episode {resumed.episode + 1} in {run.data_checkpoint_path} "
+                           "holds no partial rollouts, which runtime.use_partial_rollout continues (was it written "
+                           "by a run without partial rollouts?)")
+        try:
+            buffer = RolloutBuffer.load(resumed.partial_rollouts)
+        except (OSError, RelayCheckpointError) as exc:
+            raise RunError(f"the partial rollouts of episode {resumed.episode + 1}'s data checkpoint cannot be "
+                           f"read: {exc}") from exc
+    run.partial.start(resumed.episode + 1 if resumed is not None else 0, buffer)
 
 
 def deployment_run(cfg: ChatLearnConfig) -> ChatLearnConfig:

@@ -9,6 +9,7 @@ import warnings
 import pytest
 from pydantic import ValidationError
 
+from chatlearn.config.runtime import PartialRolloutConfig
 from chatlearn.utils.arguments import (
     BatchGenerationConfig,
     ChatLearnConfig,
@@ -113,8 +114,11 @@ DECLARED_EXTRAS = {
         "engine": "rlhf",
         "rollout_engine": "hf",  # HEAD's default is vllm, a GPU build this project refuses (not supported yet)
         "max_staleness": 0,  # pipelined episodes (the peers' name, TRL's max_staleness); 0 is ChatLearn's episode
-        "use_partial_rollout": False,  # HEAD's partial rollouts: declared, refused until built
-        "partial_rollout_manager_config": None,
+        "use_partial_rollout": False,  # HEAD's partial rollouts
+        # HEAD's PartialRolloutManagerConfig defaults, but mini_response_per_prompt (HEAD: 16): unset means
+        # num_inference_per_prompt - 1, the one value supported (a group trains whole)
+        "partial_rollout_manager_config": PartialRolloutConfig(max_rollout_round=2, rollout_ratio=[0.5, 0.5],
+                                                               mini_response_per_prompt=None),
         "data_shuffle": True,
         "eval_data_path": None,
         "eval_post_process_fn": None,

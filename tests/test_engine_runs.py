@@ -114,10 +114,12 @@ def test_online_dpo_with_lora_two_episodes(prefect_api, ray_session, tiny_model_
 RESUME_ARGS = [*SMALL, "runtime.save_episode_interval=1", "runtime.eval_episode_interval=0",
                "runtime.enable_eval_before_training=false"]
 # GRPO resumes through issue 25's paths: continuous batching (6 slots for 16 prompts: slots refill; responses
-# up to 12 tokens), and the reference and trainer packed, 48-token micro-batches (the global batch re-cut)
+# up to 12 tokens), and the reference and trainer packed, 48-token micro-batches (the global batch re-cut); and
+# issue 26's partial rollouts: two rounds of 6 tokens, the responses in flight checkpointed with episode 1
 RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.args_dict.max_num_seqs=6",
                          "models.policy.args_dict.max_new_tokens=12", "models.reference.packing=true",
-                         "models.ppo_policy.packing=true", "models.ppo_policy.max_token_in_packing=48"],
+                         "models.ppo_policy.packing=true", "models.ppo_policy.max_token_in_packing=48",
+                         "runtime.use_partial_rollout=true", "runtime.stream_data_loader_type=dynamic"],
                 # three episodes, so a later one generates while the killed one trains; longer responses than
                 # the shipped 2 tokens, so generation takes long enough for the overlap to show
                 "grpo_async": ["runtime.num_episode=3", "models.policy.args_dict.max_new_tokens=12"]}
@@ -156,8 +158,15 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
     the adapters, the base check and the merged export resume too). The reference and the re-run run here, on
     the session's Ray (a re-run in a new process of its own: tests/test_resume.py); the killed run is a process
     of its own, SIGKILLed."""
-    timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths")
+    timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths",
+              "partial_rollouts")
     train_here(config, tmp_path, "ref", tiny_model_dir, monkeypatch)
+    if config == "grpo":  # partial rollouts: what episode 1 left unfinished, episode 2 continued
+        first, second = rows_of(tmp_path / "ref")
+        assert first["round_0_samples"] == 32 and first["partial_unfinished"] > 0
+        assert second["round_1_samples"] == first["partial_unfinished"]
+        assert second["partial_released"] == second["num_samples"] > 0
+        assert second["staleness_max"] == 1.0 and 0 < second["staleness_token_mean"] < 1
     killed = train_engine(config, tmp_path, "killed", tiny_model_dir, crash="after_generate:1")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     capsys.readouterr()

@@ -356,7 +356,7 @@ def test_load_hook():
     with pytest.raises(ValueError, match=r"'chatlearn\.data\.relay:missing'.*no attribute"):
         load_hook("chatlearn.data.relay:missing")
     with pytest.raises(ValueError, match="not a callable"):
-        load_hook("chatlearn.data.relay:TENSORS_FILE")
+        load_hook("chatlearn.data.relay:FORMAT_VERSION")
 
 
 def test_hooks_on_buffers():

@@ -49,6 +49,8 @@ class DataCheckpoint(BaseModel):
     model_checkpoints: dict[str, str] = Field(default_factory=dict, description="model name -> checkpoint dir")
     policy_versions: dict[int, str] = Field(default_factory=dict, description="pipelined episodes: the older policy "
                                             "weights the next episodes generate on, version -> file")
+    partial_rollouts: str | None = Field(None, description="partial rollouts: the responses in flight (unfinished, "
+                                         "and finished ones waiting for their group), directory")
     created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
 
 
@@ -140,15 +142,13 @@ class DataCheckpointStore:
                 rec = self.read(it)
             except CheckpointError:
                 continue
-            referenced.update(rec.model_checkpoints.values())
-            if rec.relay_path:
-                referenced.add(rec.relay_path)
+            referenced.update(_directories(rec))
         for it in drop:
             file = os.path.join(self.path, self.key(it))
             try:
                 rec = self.read(it)
-                for path in [*rec.model_checkpoints.values(), rec.relay_path]:
-                    if path and path not in referenced:
+                for path in _directories(rec):
+                    if path not in referenced:
                         shutil.rmtree(path, ignore_errors=True)
             except CheckpointError:
                 pass
@@ -158,3 +158,9 @@ class DataCheckpointStore:
                 logger.warning("could not remove the old data checkpoint %s: %s", file, os_error_text(exc))
         return drop
 
+
+def _directories(rec: DataCheckpoint) -> set[str]:
+    """The checkpoint directories a record refers to (a policy version is a file in a directory of its own)."""
+    paths = {*rec.model_checkpoints.values(), rec.relay_path, rec.partial_rollouts,
+             *(os.path.dirname(p) for p in rec.policy_versions.values())}
+    return {p for p in paths if p}

@@ -89,6 +89,7 @@ def commit_data_checkpoint(cfg: ChatLearnConfig, store: DataCheckpointStore, met
         relay_path=metrics.get("relay_checkpoint"),
         model_checkpoints={k: v for k, v in metrics["checkpoint_paths"].items() if v},
         policy_versions=metrics.get("policy_versions", {}),
+        partial_rollouts=metrics.get("partial_rollouts"),
     )
     path = store.write(record, crash_hook=lambda: crash_point("data_checkpoint_write", episode))
     if rt.max_data_ckpt_nums:

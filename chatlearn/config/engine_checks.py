@@ -80,6 +80,7 @@ class EngineChecks:
         problems += _advantage_estimator(cfg, name, spec, self.modules)
         problems += _sync_frequency(cfg, spec)
         problems += _pipelined(cfg, name, spec)
+        problems += _partial_rollout(cfg, name, spec, self.modules)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
         return problems
@@ -309,6 +310,56 @@ def _pipelined(cfg: ChatLearnConfig, engine: str, spec: EngineSpec) -> list[str]
         problems.append(f"models.policy.sync_frequency: {cfg.models['policy'].sync_frequency} with runtime."
                         f"max_staleness: {k} is not supported yet (the pipeline syncs every episode); set it to 1")
     return problems
+
+
+def _partial_rollout(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
+    """``runtime.use_partial_rollout``: the policy (synced from the trainer every episode, as a pipelined run's)
+    continues responses over several episodes (``continues_responses`` on its module class), each round's token
+    budget at least one token; a prompt's group trains whole (the one ``mini_response_per_prompt`` supported);
+    an episode trains the groups that finished, so the loader must take what it is given."""
+    rt = cfg.runtime
+    if not rt.use_partial_rollout:
+        return []
+    prc = rt.partial_rollout_manager_config
+    src = next((s for s, d in spec.sync if d == "policy" and s in cfg.models and d in cfg.models), None)
+    if src is None:
+        return [f"runtime.use_partial_rollout: the {engine!r} engine does not generate with a copy of the model it "
+                "trains (a policy synced from ppo_policy): there are no responses to continue; set it to false"]
+    problems = []
+    cls = _module_class("policy", cfg, modules, engine)
+    if cls is not None and not getattr(cls, "continues_responses", False):
+        problems.append(f"runtime.use_partial_rollout: models.policy's module {cls.__name__} cannot continue a "
+                        "response (continues_responses); partial rollouts need the built-in policy")
+    if rt.stream_data_loader_type != "dynamic":
+        problems.append(f"runtime.stream_data_loader_type: {rt.stream_data_loader_type!r} trains exactly "
+                        "sample_per_episode samples, but with use_partial_rollout an episode trains the groups that "
+                        "finished (their number varies); set it to 'dynamic'")
+    if cfg.models["policy"].sync_frequency != 1:
+        problems.append(f"models.policy.sync_frequency: {cfg.models['policy'].sync_frequency} with runtime."
+                        "use_partial_rollout is not supported yet (a round continues on the next episode's weights); "
+                        "set it to 1")
+    n = group_size(cfg)
+    mini = prc.mini_response_per_prompt
+    if mini is not None and mini >= n:
+        problems.append(f"runtime.partial_rollout_manager_config.mini_response_per_prompt: {mini} must be less "
+                        f"than models.policy num_inference_per_prompt ({n}), as ChatLearn asserts")
+    elif mini is not None and mini != n - 1:
+        problems.append(f"runtime.partial_rollout_manager_config.mini_response_per_prompt: {mini} is not supported "
+                        f"yet (training part of a prompt's group needs its advantages normalised across episodes); "
+                        f"leave it unset or {n - 1} (num_inference_per_prompt - 1: a group trains whole)")
+    max_new = max_new_tokens(cfg)
+    if isinstance(max_new, int) and max_new > 0:
+        budgets = prc.round_budgets(max_new)
+        if min(budgets) < 1:
+            problems.append(f"runtime.partial_rollout_manager_config.rollout_ratio: {prc.rollout_ratio} of "
+                            f"models.policy max_new_tokens {max_new} gives rounds of {budgets} tokens; every round "
+                            "needs at least one (fewer rounds, or a longer max_new_tokens)")
+    return problems
+
+
+def max_new_tokens(cfg: ChatLearnConfig, producer: str = "policy") -> int:
+    """The producer's ``max_new_tokens`` (the built-in policy's default when not set)."""
+    return (cfg.models[producer].args_dict or {}).get("max_new_tokens", 16)
 
 
 def group_size(cfg: ChatLearnConfig, producer: str = "policy") -> int:

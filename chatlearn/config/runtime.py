@@ -13,6 +13,7 @@ from chatlearn.config.sections import Section
 __all__ = [
     "CPU_SCHEDULE_STRATEGIES",
     "PARAM_SYNC_COMM_TYPES",
+    "PartialRolloutConfig",
     "STREAM_DATA_LOADER_TYPES",
     "RuntimeConfig",
     "RuntimeEnvConfig",
@@ -21,6 +22,49 @@ __all__ = [
 STREAM_DATA_LOADER_TYPES = ("fixed", "dynamic")
 PARAM_SYNC_COMM_TYPES = ("broadcast", "p2p")
 CPU_SCHEDULE_STRATEGIES = ("PACK", "SPREAD")
+
+
+class PartialRolloutConfig(Section):
+    """``runtime.partial_rollout_manager_config`` (ChatLearn HEAD's PartialRolloutManagerConfig, same names and
+    defaults except ``mini_response_per_prompt``, whose default here is the one value it supports)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_rollout_round: int = Field(default=2, ge=1, description="the most rounds (episodes) one response spans")
+    rollout_ratio: list[float] = Field(
+        default_factory=lambda: [0.5, 0.5],
+        description="round i generates at most max_new_tokens * rollout_ratio[i] new tokens; one ratio per round, "
+        "summing to 1 (rounded so the rounds add up to max_new_tokens exactly)")
+    mini_response_per_prompt: int | None = Field(
+        default=None, ge=0,
+        description="a prompt's finished responses move to training once more than this many are finished "
+        "(ChatLearn's rule); default and the only value supported yet: num_inference_per_prompt - 1, i.e. a "
+        "prompt's group trains whole, normalised over all its responses")
+
+    @model_validator(mode="after")
+    def _ratios(self) -> "PartialRolloutConfig":
+        # ChatLearn's two checks; its sum test is exact float equality, which refuses [0.1, 0.2, 0.7]
+        if len(self.rollout_ratio) != self.max_rollout_round:
+            raise ValueError(f"rollout_ratio has {len(self.rollout_ratio)} ratios but max_rollout_round is "
+                             f"{self.max_rollout_round}: one ratio per round")
+        if any(r <= 0 for r in self.rollout_ratio):
+            raise ValueError(f"rollout_ratio {self.rollout_ratio}: every round's ratio must be > 0")
+        if not math.isclose(sum(self.rollout_ratio), 1.0, abs_tol=1e-6):
+            raise ValueError(f"rollout_ratio {self.rollout_ratio} sums to {sum(self.rollout_ratio):g}; the ratios "
+                             "of the rounds must sum to 1")
+        return self
+
+    def round_budgets(self, max_new_tokens: int) -> list[int]:
+        """Each round's most new tokens: ``max_new_tokens * rollout_ratio[i]``, rounded on the running sum so the
+        rounds add up to ``max_new_tokens`` exactly (ChatLearn's ``int()`` per round can lose tokens: 0.3 of 16
+        is 4, 0.7 is 11, 15 in all)."""
+        edges = [0]
+        total = 0.0
+        for ratio in self.rollout_ratio:
+            total += ratio
+            edges.append(min(max_new_tokens, round(total * max_new_tokens)))
+        edges[-1] = max_new_tokens
+        return [b - a for a, b in zip(edges, edges[1:], strict=False)]
 
 
 class RuntimeEnvConfig(Section):
@@ -147,12 +191,14 @@ class RuntimeConfig(Section):
         "own processes (not in a runtime.colocation group); each episode logs staleness_mean/max and dropped_stale",
     )
     use_partial_rollout: bool = Field(
-        default=False, description="partial rollouts (ChatLearn HEAD): long responses continued over several "
-        "episodes, at most max_new_tokens * rollout_ratio[i] tokens in round i; not supported yet",
+        default=False, description="partial rollouts (ChatLearn HEAD): a response is generated over up to "
+        "partial_rollout_manager_config.max_rollout_round episodes, at most max_new_tokens * rollout_ratio[i] new "
+        "tokens in round i; an unfinished one is continued in the next episode on the newer weights, and a "
+        "prompt's group trains once all its responses are finished. Needs stream_data_loader_type: dynamic",
     )
-    partial_rollout_manager_config: dict[str, Any] | None = Field(
-        default=None, description="partial rollouts' max_rollout_round, rollout_ratio, mini_response_per_prompt "
-        "(ChatLearn HEAD); not supported yet",
+    partial_rollout_manager_config: PartialRolloutConfig = Field(
+        default_factory=lambda: PartialRolloutConfig(),
+        description="partial rollouts' max_rollout_round, rollout_ratio, mini_response_per_prompt (ChatLearn HEAD)",
     )
     data_shuffle: bool = Field(
         default=True,

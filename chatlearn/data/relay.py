@@ -31,8 +31,6 @@ from chatlearn.utils.files import fsync_dir, fsync_file
 from chatlearn.utils.finite import one_line
 from chatlearn.utils.imports import import_callable
 
-TENSORS_FILE = "relay.safetensors"
-META_FILE = "relay.json"
 FORMAT_VERSION = 1
 
 _JSON_SCALARS = (type(None), bool, int, float, str)
@@ -142,121 +140,124 @@ class RelayBuffer:
     # ------------------------------------------------------------------ checkpointing
 
     def save(self, directory: str) -> None:
-        """Write relay.safetensors + relay.json atomically (temp names, then os.replace); no pickle involved."""
-        ckpt_id = uuid.uuid4().hex
-        tensors: dict[str, torch.Tensor] = {}
-        episodes_meta = []
-        for buf in self._buffers:
-            samples_meta = []
-            for s_idx, sample in enumerate(buf.buffer):
-                fields_meta = []
-                for name, value in sample.items():
-                    if not isinstance(name, str):
-                        raise TypeError(
-                            f"relay checkpoint: episode {buf.episode_id} sample {s_idx} has a non-str key {name!r}"
-                        )
-                    if isinstance(value, torch.Tensor):
-                        key = f"e{buf.episode_id}/s{s_idx}/{name}"
-                        if key in tensors:
-                            raise ValueError(f"relay checkpoint: episode {buf.episode_id} is kept twice")
-                        tensors[key] = value.detach().to("cpu").contiguous().clone()
-                        fields_meta.append(
-                            {
-                                "name": name,
-                                "tensor": key,
-                                "dtype": str(value.dtype).removeprefix("torch."),
-                                "scalar": value.dim() == 0,
-                            }
-                        )
-                    else:
-                        _check_jsonable(value, f"episode {buf.episode_id} sample {s_idx} field {name!r}")
-                        fields_meta.append({"name": name, "value": value})
-                samples_meta.append(fields_meta)
-            episodes_meta.append({"episode_id": buf.episode_id, "samples": samples_meta})
-        meta = {
-            "format": FORMAT_VERSION,
-            "checkpoint_id": ckpt_id,
-            "max_relay_episode": self.max_relay_episode,
-            "relay_episode_offset": self.relay_episode_offset,
-            "episodes": episodes_meta,
-        }
-
-        os.makedirs(directory, exist_ok=True)
-        final_tensors = os.path.join(directory, TENSORS_FILE)
-        final_meta = os.path.join(directory, META_FILE)
-        tmp_tensors = os.path.join(directory, f".{TENSORS_FILE}.{ckpt_id}.tmp")
-        tmp_meta = os.path.join(directory, f".{META_FILE}.{ckpt_id}.tmp")
-        try:
-            save_file(tensors, tmp_tensors, metadata={"checkpoint_id": ckpt_id})
-            fsync_file(tmp_tensors)
-            with open(tmp_meta, "w", encoding="utf-8") as f:
-                json.dump(meta, f, allow_nan=True)
-                f.flush()
-                os.fsync(f.fileno())
-            # Tensors first, metadata last: relay.json is the commit point; a torn save leaves two files whose
-            # checkpoint ids differ, which `load` reports instead of mixing two saves.
-            os.replace(tmp_tensors, final_tensors)
-            os.replace(tmp_meta, final_meta)
-            fsync_dir(directory)
-        finally:
-            for tmp in (tmp_tensors, tmp_meta):
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+        """Write relay.safetensors + relay.json atomically (`save_sample_sets`); no pickle involved."""
+        save_sample_sets(directory, [(b.episode_id, b.buffer) for b in self._buffers],
+                         {"max_relay_episode": self.max_relay_episode,
+                          "relay_episode_offset": self.relay_episode_offset})
 
     def load(self, directory: str) -> None:
         """Restore the window saved by `save`; the current config wins (window trimmed to it)."""
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"relay checkpoint directory not found: {directory}")
-        meta_path = os.path.join(directory, META_FILE)
-        tensors_path = os.path.join(directory, TENSORS_FILE)
-        for path in (meta_path, tensors_path):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"relay checkpoint file not found: {path}")
-        try:
-            with open(meta_path, encoding="utf-8") as f:
-                meta = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise RelayCheckpointError(f"relay checkpoint {meta_path} is unreadable: {exc}") from exc
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-            raise RelayCheckpointError(f"relay checkpoint {meta_path} has an unknown format")
-        try:
-            with safe_open(tensors_path, framework="pt") as f:
-                tensor_id = (f.metadata() or {}).get("checkpoint_id")
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as exc:  # safetensors raises its own error types
-            raise RelayCheckpointError(f"relay checkpoint {tensors_path} is unreadable: {exc}") from exc
-        if tensor_id != meta.get("checkpoint_id"):
-            raise RelayCheckpointError(
-                f"relay checkpoint in {directory} is torn: {TENSORS_FILE} and {META_FILE} come from different saves "
-                "(a save was interrupted); refusing to load a mix"
-            )
-
-        buffers = []
-        try:
-            for ep in meta["episodes"]:
-                samples = []
-                for fields_meta in ep["samples"]:
-                    sample: dict[str, Any] = {}
-                    for fm in fields_meta:
-                        if "tensor" in fm:
-                            t = tensors[fm["tensor"]]
-                            dtype = getattr(torch, fm["dtype"], None)
-                            if not isinstance(dtype, torch.dtype):
-                                raise TypeError(f"unknown dtype {fm['dtype']!r}")
-                            if t.dtype != dtype:
-                                t = t.to(dtype)
-                            if fm["scalar"] and t.dim() != 0:
-                                t = t.reshape(())
-                            sample[fm["name"]] = t
-                        else:
-                            sample[fm["name"]] = fm["value"]
-                    samples.append(sample)
-                buffers.append(EpisodeRelayBuffer(int(ep["episode_id"]), samples))
-        except (KeyError, TypeError, AttributeError, RuntimeError) as exc:
-            raise RelayCheckpointError(f"relay checkpoint in {directory} is inconsistent: {exc!r}") from exc
+        sets, _ = load_sample_sets(directory)
+        buffers = [EpisodeRelayBuffer(episode_id, samples) for episode_id, samples in sets]
         # Current config wins: the window only holds episodes the current settings would have stored.
         self._buffers = [b for b in buffers if b.episode_id >= self.relay_episode_offset]
         self._trim()
+
+
+def save_sample_sets(directory: str, sets: list[tuple[int, list[dict]]], extra: dict[str, Any],
+                     stem: str = "relay") -> None:
+    """Write numbered lists of sample dicts to ``<stem>.safetensors`` (tensors) + ``<stem>.json`` (everything
+    else, JSON values only, and ``extra``), atomically (temp names, then os.replace); no pickle involved."""
+    ckpt_id = uuid.uuid4().hex
+    tensors: dict[str, torch.Tensor] = {}
+    sets_meta = []
+    for set_id, samples in sets:
+        samples_meta = []
+        for s_idx, sample in enumerate(samples):
+            fields_meta = []
+            for name, value in sample.items():
+                if not isinstance(name, str):
+                    raise TypeError(f"{stem} checkpoint: episode {set_id} sample {s_idx} has a non-str key {name!r}")
+                if isinstance(value, torch.Tensor):
+                    key = f"e{set_id}/s{s_idx}/{name}"
+                    if key in tensors:
+                        raise ValueError(f"{stem} checkpoint: episode {set_id} is kept twice")
+                    tensors[key] = value.detach().to("cpu").contiguous().clone()
+                    fields_meta.append({"name": name, "tensor": key, "dtype": str(value.dtype).removeprefix("torch."),
+                                        "scalar": value.dim() == 0})
+                else:
+                    _check_jsonable(value, f"episode {set_id} sample {s_idx} field {name!r}")
+                    fields_meta.append({"name": name, "value": value})
+            samples_meta.append(fields_meta)
+        sets_meta.append({"episode_id": set_id, "samples": samples_meta})
+    meta = {"format": FORMAT_VERSION, "checkpoint_id": ckpt_id, **extra, "episodes": sets_meta}
+
+    tensors_file, meta_file = f"{stem}.safetensors", f"{stem}.json"
+    os.makedirs(directory, exist_ok=True)
+    final_tensors = os.path.join(directory, tensors_file)
+    final_meta = os.path.join(directory, meta_file)
+    tmp_tensors = os.path.join(directory, f".{tensors_file}.{ckpt_id}.tmp")
+    tmp_meta = os.path.join(directory, f".{meta_file}.{ckpt_id}.tmp")
+    try:
+        save_file(tensors, tmp_tensors, metadata={"checkpoint_id": ckpt_id})
+        fsync_file(tmp_tensors)
+        with open(tmp_meta, "w", encoding="utf-8") as f:
+            json.dump(meta, f, allow_nan=True)
+            f.flush()
+            os.fsync(f.fileno())
+        # Tensors first, metadata last: the JSON file is the commit point; a torn save leaves two files whose
+        # checkpoint ids differ, which `load_sample_sets` reports instead of mixing two saves.
+        os.replace(tmp_tensors, final_tensors)
+        os.replace(tmp_meta, final_meta)
+        fsync_dir(directory)
+    finally:
+        for tmp in (tmp_tensors, tmp_meta):
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def load_sample_sets(directory: str, stem: str = "relay") -> tuple[list[tuple[int, list[dict]]], dict[str, Any]]:
+    """What `save_sample_sets` wrote: the numbered sample lists and the JSON metadata."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{stem} checkpoint directory not found: {directory}")
+    tensors_file, meta_file = f"{stem}.safetensors", f"{stem}.json"
+    meta_path = os.path.join(directory, meta_file)
+    tensors_path = os.path.join(directory, tensors_file)
+    for path in (meta_path, tensors_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{stem} checkpoint file not found: {path}")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise RelayCheckpointError(f"{stem} checkpoint {meta_path} is unreadable: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise RelayCheckpointError(f"{stem} checkpoint {meta_path} has an unknown format")
+    try:
+        with safe_open(tensors_path, framework="pt") as f:
+            tensor_id = (f.metadata() or {}).get("checkpoint_id")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types
+        raise RelayCheckpointError(f"{stem} checkpoint {tensors_path} is unreadable: {exc}") from exc
+    if tensor_id != meta.get("checkpoint_id"):
+        raise RelayCheckpointError(
+            f"{stem} checkpoint in {directory} is torn: {tensors_file} and {meta_file} come from different saves "
+            "(a save was interrupted); refusing to load a mix"
+        )
+    sets = []
+    try:
+        for ep in meta["episodes"]:
+            samples = []
+            for fields_meta in ep["samples"]:
+                sample: dict[str, Any] = {}
+                for fm in fields_meta:
+                    if "tensor" in fm:
+                        t = tensors[fm["tensor"]]
+                        dtype = getattr(torch, fm["dtype"], None)
+                        if not isinstance(dtype, torch.dtype):
+                            raise TypeError(f"unknown dtype {fm['dtype']!r}")
+                        if t.dtype != dtype:
+                            t = t.to(dtype)
+                        if fm["scalar"] and t.dim() != 0:
+                            t = t.reshape(())
+                        sample[fm["name"]] = t
+                    else:
+                        sample[fm["name"]] = fm["value"]
+                samples.append(sample)
+            sets.append((int(ep["episode_id"]), samples))
+    except (KeyError, TypeError, AttributeError, RuntimeError) as exc:
+        raise RelayCheckpointError(f"{stem} checkpoint in {directory} is inconsistent: {exc!r}") from exc
+    return sets, meta
 
 
 def _check_jsonable(value: Any, where: str) -> None:

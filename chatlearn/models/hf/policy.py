@@ -55,10 +55,52 @@ def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> tor
     return (seen_before == 0).float()
 
 
+def _one_budget(budgets: list[int]) -> int:
+    """A partial-rollout round's token budget: one per batch (the stage batches responses by round)."""
+    if len(set(budgets)) != 1:
+        raise ValueError(f"a generation batch mixes round budgets {sorted(set(budgets))}; one budget per batch")
+    return int(budgets[0])
+
+
+def _continued(data: dict, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts followed by the responses so far (left-padded as prompts are), and each response's length."""
+    done = data["response_mask"].sum(-1).long()
+    rows = [torch.cat([p[m.bool()], r[:n]]) for p, m, r, n in
+            zip(data["prompt_ids"], data["prompt_mask"], data["response_ids"], done.tolist(), strict=True)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return ids, mask, done
+
+
+def _joined(data: dict, done: torch.Tensor, new_ids: torch.Tensor, new_logprobs: torch.Tensor | None,
+            new_mask: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Each row's earlier tokens then its new ones up to its EOS (``new_mask``), right-padded; their log-probs
+    likewise (the earlier rounds' from the batch: the sampler's, on the weights of their own round); the mask
+    of the whole responses."""
+    new_len = new_mask.sum(-1).long().tolist()
+    width = max((n + k for n, k in zip(done.tolist(), new_len, strict=True)), default=0)
+    ids = torch.full((len(done), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(done), width))
+    lps = torch.zeros((len(done), width)) if new_logprobs is not None else None
+    for i, (n, k) in enumerate(zip(done.tolist(), new_len, strict=True)):
+        ids[i, :n] = data["response_ids"][i, :n]
+        ids[i, n:n + k] = new_ids[i, :k].cpu()
+        mask[i, :n + k] = 1
+        if lps is not None:
+            lps[i, :n] = data["logprobs"][i, :n]
+            lps[i, n:n + k] = new_logprobs[i, :k].cpu()
+    return ids, lps, mask
+
+
 class PolicyInference(HFModule):
     """Generates responses for prompt batches; `forward_step` samples, `eval_step` decodes greedily."""
 
     supports_pipeline = True
+    continues_responses = True  # partial rollouts: a batch may carry responses to go on with (`_continued`)
     # the generation backends `runtime.rollout_engine` names (the config check reads them here)
     rollout_engines = ROLLOUT_ENGINES
     gpu_only_rollout_engines = GPU_ONLY_ROLLOUT_ENGINES
@@ -91,18 +133,27 @@ class PolicyInference(HFModule):
         """Responses to the batch's prompts from the rollout engine (`runtime.rollout_engine`), with the
         sampled tokens' log-probs when the per-sample sampler drew them."""
         torch.manual_seed(seed)
+        prompt_ids, prompt_mask, done = data["prompt_ids"], data["prompt_mask"], None
+        max_new_tokens = self.args.max_new_tokens
+        if "max_generate_token_length" in data:  # a round of a partial rollout
+            max_new_tokens = _one_budget(data["max_generate_token_length"])
+            if "response_ids" in data:  # responses begun in an earlier round: they are the prompts' ends
+                prompt_ids, prompt_mask, done = _continued(data, self.tokenizer.pad_token_id)
         req = Request(
-            prompt_ids=data["prompt_ids"].to(self.device), prompt_mask=data["prompt_mask"].to(self.device),
-            max_new_tokens=self.args.max_new_tokens, min_new_tokens=self.args.min_new_tokens,
+            prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
+            max_new_tokens=max_new_tokens, min_new_tokens=self.args.min_new_tokens,
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
             do_sample=do_sample, sample_ids=data.get("sample_id"), seed=self.seed,
             temperature=self.args.temperature, top_k=self.args.top_k, top_p=self.args.top_p,
-            max_num_seqs=self.args.max_num_seqs)
+            max_num_seqs=self.args.max_num_seqs, first_steps=done.tolist() if done is not None else None)
         if self.pipelined:  # the config check allows only hf here: its loop runs through the stages
             response_ids, logprobs = hf_generate(self.model, req, generate=self._generate_in_stages)
         else:
             response_ids, logprobs = ROLLOUT_ENGINES[self.runtime_args.rollout_engine](self.model, req)
         mask = response_mask_from_eos(response_ids, self.tokenizer.eos_token_id)
+        if done is not None:  # the whole response: the earlier rounds' tokens, then this round's
+            response_ids, logprobs, mask = _joined(data, done, response_ids, logprobs, mask,
+                                                   self.tokenizer.pad_token_id)
         pad = torch.full_like(response_ids, self.tokenizer.pad_token_id)
         response_ids = torch.where(mask.bool(), response_ids, pad)
         texts = [
@@ -112,6 +163,13 @@ class PolicyInference(HFModule):
         out = {**data, "response_ids": response_ids, "response_mask": mask, "response": texts}
         if logprobs is not None:
             out["logprobs"] = logprobs * mask
+        if "max_generate_token_length" in data:  # partial rollouts: where each response stands
+            lengths = mask.sum(-1).long()
+            ended = [n > 0 and ids[n - 1] == self.tokenizer.eos_token_id
+                     for ids, n in zip(response_ids.tolist(), lengths.tolist(), strict=True)]
+            out["rollout_finished"] = [e or n >= self.args.max_new_tokens
+                                       for e, n in zip(ended, lengths.tolist(), strict=True)]
+            out["rollout_round"] = [r + 1 for r in data.get("rollout_round", [0] * len(texts))]
         return out
 
     @torch.no_grad()

@@ -58,6 +58,9 @@ class Request:
     top_k: int = 0
     top_p: float = 1.0
     max_num_seqs: int = 256
+    # a continued response (partial rollouts): each row's tokens so far are the end of its prompt, and its new
+    # tokens are response steps first_steps[i], first_steps[i] + 1, ... (the sampler's noise, the EOS ban)
+    first_steps: list[int] | None = None
 
 
 def ban_eos(scores: torch.Tensor, steps: list[int], min_new_tokens: int, eos_token_id: int | None) -> torch.Tensor:
@@ -109,8 +112,10 @@ class PerSampleSampler:
     processor (which would run before this one and hide EOS's logit)."""
 
     def __init__(self, seed: int, sample_ids: list[int], temperature: float, top_k: int, top_p: float,
-                 prompt_width: int = 0, min_new_tokens: int = 0, eos_token_id: int | None = None):
+                 prompt_width: int = 0, min_new_tokens: int = 0, eos_token_id: int | None = None,
+                 first_steps: list[int] | None = None):
         self.seed, self.sample_ids = seed, list(sample_ids)
+        self.first_steps = list(first_steps) if first_steps is not None else [0] * len(self.sample_ids)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.prompt_width = prompt_width
         self.min_new_tokens, self.eos_token_id = min_new_tokens, eos_token_id
@@ -127,8 +132,8 @@ class PerSampleSampler:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
-        out, full = perturb(scores, self.seed, self.sample_ids, [step] * len(self.sample_ids), self.temperature,
-                            self.top_k, self.top_p, self.min_new_tokens, self.eos_token_id)
+        out, full = perturb(scores, self.seed, self.sample_ids, [step + f for f in self.first_steps],
+                            self.temperature, self.top_k, self.top_p, self.min_new_tokens, self.eos_token_id)
         # greedy decoding takes the argmax of what this returns: that token's log-prob, unbanned and unclipped
         if len(self._logprobs) == step:
             self._logprobs.append(full.gather(-1, out.argmax(-1, keepdim=True)).squeeze(-1).cpu())
@@ -145,7 +150,7 @@ def hf_generate(model, req: Request, generate: Callable | None = None) -> tuple[
     if req.do_sample and req.sample_ids is not None:
         sampler = PerSampleSampler(req.seed, req.sample_ids, req.temperature, req.top_k, req.top_p,
                                    prompt_width=req.prompt_ids.shape[1], min_new_tokens=min_new_tokens,
-                                   eos_token_id=req.eos_token_id)
+                                   eos_token_id=req.eos_token_id, first_steps=req.first_steps)
         kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
         min_new_tokens = 0  # the sampler bans EOS itself, after reading its logit
     elif req.do_sample:
@@ -267,6 +272,7 @@ def continuous_batching(model, req: Request) -> tuple[torch.Tensor, torch.Tensor
     n = req.prompt_ids.shape[0]
     sample = req.do_sample
     sample_ids = list(req.sample_ids) if req.sample_ids is not None else list(range(n))
+    first = list(req.first_steps) if req.first_steps is not None else [0] * n
     prompts = [row[m.bool()] for row, m in zip(req.prompt_ids, req.prompt_mask, strict=True)]
     tokens: list[list[int]] = [[] for _ in range(n)]
     logps: list[list[float]] = [[] for _ in range(n)]
@@ -278,7 +284,7 @@ def continuous_batching(model, req: Request) -> tuple[torch.Tensor, torch.Tensor
     refill = max(1, size // 8)
 
     def pick(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        steps = [len(tokens[i]) for i in rows]
+        steps = [len(tokens[i]) + first[i] for i in rows]
         if sample:
             out, full = perturb(logits, req.seed, [sample_ids[i] for i in rows], steps, req.temperature,
                                 req.top_k, req.top_p, req.min_new_tokens, req.eos_token_id)

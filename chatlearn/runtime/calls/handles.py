@@ -83,6 +83,9 @@ class RunHandle(BaseModel):
     max_staleness: int = Field(0, description="runtime.max_staleness (pipelined episodes)")
     # pipelined episodes: the policy's weights by version (chatlearn.runtime.weights.versions), in the driver
     versions: Any = Field(None, exclude=True)
+    # partial rollouts: the responses in flight by episode (chatlearn.data.partial_rollout), in the driver
+    partial: Any = Field(None, exclude=True)
+    pad_token_id: int = Field(0, description="the producer's pad token (batches the driver collates)")
     # the flows' steps (functions of the driver, run as Ray tasks): not sent to the Prefect API
     steps: dict[str, Any] = Field(default_factory=dict, exclude=True)
 

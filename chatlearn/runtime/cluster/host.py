@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import ray
+import torch
 
 from chatlearn.config import ModelConfig, RuntimeConfig
 from chatlearn.data.batch import collate_samples, merge_batches
@@ -63,7 +64,8 @@ class ModelHost:
             self.pad_token_id = int(tok.pad_token_id)
         ctx = ray.get_runtime_context()
         info = {"pid": os.getpid(), "node": ctx.get_node_id(), "gpu_ids": ray.get_gpu_ids(),
-                "resources": ctx.get_assigned_resources(), "setup_seconds": time.perf_counter() - t0}
+                "resources": ctx.get_assigned_resources(), "setup_seconds": time.perf_counter() - t0,
+                "pad_token_id": self.pad_token_id}
         if hasattr(self.module, "info"):
             info.update(self.module.info())
         return info
@@ -80,23 +82,40 @@ class ModelHost:
 
     def generate(self, indices: list[int], iteration: int, is_eval: bool = False,
                  sample_ids: list[int] | None = None, group_size: int = 1,
-                 flow_method: str = "forward_step", policy_version: int | None = None) -> Any:
+                 flow_method: str = "forward_step", policy_version: int | None = None,
+                 continued: Any = None, max_new_tokens: int | None = None) -> Any:
         """Collate dataset items `indices` and run the flow's method on them (`run_method`).
 
         `sample_ids` (the samples' positions in the response stream) go into dict batches as `sample_id`, so a
         module can seed per sample instead of per batch. With `group_size` > 1 (several responses per prompt)
         the batch also gets `group_id` (`sample_id // group_size`): the responses to one prompt share it. With
-        `policy_version` (pipelined episodes) every response is stamped with the weights version it came from.
+        `policy_version` (pipelined episodes, partial rollouts) every response is stamped with the weights
+        version it came from, and every response token with its own (`token_versions`).
+
+        A round of a partial rollout (`max_new_tokens`, the round's budget, as the batch's
+        `max_generate_token_length`): new prompts from `indices`, or `continued`, the samples of responses begun
+        in earlier rounds (their prompts, tokens, log-probs and versions so far), which the module goes on with.
         """
-        dataset = self.datasets[is_eval]
-        batch = self.module.collate_fn([dataset[i] for i in indices])
-        if isinstance(batch, dict):
-            batch["sample_id"] = list(sample_ids if sample_ids is not None else indices)
-            if group_size > 1:
-                batch["group_id"] = [sid // group_size for sid in batch["sample_id"]]
+        if continued is not None:
+            batch = collate_samples(fetch(continued, self.runtime_args.stage_timeout_s), self.pad_token_id)
+        else:
+            dataset = self.datasets[is_eval]
+            batch = self.module.collate_fn([dataset[i] for i in indices])
+            if isinstance(batch, dict):
+                batch["sample_id"] = list(sample_ids if sample_ids is not None else indices)
+                if group_size > 1:
+                    batch["group_id"] = [sid // group_size for sid in batch["sample_id"]]
+        if max_new_tokens is not None:
+            batch["max_generate_token_length"] = [max_new_tokens] * len(batch["sample_id"])
         out = self.run_method(flow_method, batch, iteration, is_eval)
-        if policy_version is not None and isinstance(out, dict):  # pipelined: the weights it was generated on
+        if policy_version is not None and isinstance(out, dict):  # the weights it was generated on
             out["policy_version"] = [policy_version] * len(batch["sample_id"])
+        if policy_version is not None and isinstance(out, dict) and "response_ids" in out:
+            versions = torch.full(out["response_ids"].shape, policy_version, dtype=torch.long)
+            if continued is not None:  # the earlier rounds' tokens keep their own versions
+                for i, n in enumerate(batch["response_mask"].sum(-1).long().tolist()):
+                    versions[i, :n] = batch["token_versions"][i, :n]
+            out["token_versions"] = versions * out["response_mask"].long()
         return out
 
     def run_method(self, method: str, data: Any, iteration: int, is_eval: bool) -> Any:
@@ -127,8 +146,11 @@ class ModelHost:
         samples = fetch(samples, self.runtime_args.stage_timeout_s)
         rt = self.runtime_args
         sample_stats: dict[str, float] = {}  # of the episode's samples, before training
-        if rt.max_staleness > 0:  # pipelined: the trainer is at version `episode` (one per episode trained)
-            samples, sample_stats = drop_stale(samples, episode, rt.max_staleness, group_size)
+        if rt.max_staleness > 0 or rt.use_partial_rollout:  # the trainer is at version `episode` (one per episode)
+            # a partial rollout's response may end, or wait for its group, up to max_rollout_round - 1 rounds later
+            bound = rt.max_staleness + (rt.partial_rollout_manager_config.max_rollout_round - 1
+                                        if rt.use_partial_rollout else 0)
+            samples, sample_stats = drop_stale(samples, episode, bound, group_size)
         if hasattr(self.module, "episode_stats"):  # what a trainer reports of the samples themselves
             sample_stats.update(self.module.episode_stats(samples))
         steps = training_batches(samples, rt.train_micro_batch_size, rt.train_global_batch_size,

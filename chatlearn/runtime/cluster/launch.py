@@ -356,6 +356,7 @@ def _launch(prepared: PreparedRun, data_checkpoint_path: str) -> Iterator[tuple[
             answering = workers.groups[eng.plan.eval_producer]
             wait([a.build_dataset.remote(eval_ref, True) for a in answering.heads], "setup", rt.stage_timeout_s)
         run = _run_handle(cfg, eng, workers, prefix, namespace, sizes[0], len(eval_prompts), data_checkpoint_path)
+        run.pad_token_id = int((infos.get(eng.plan.producer) or [{}])[0].get("pad_token_id", 0))
         yield run, workers.groups, stream
     except Exception as exc:  # with the Ray head gone, whatever broke on the way is the head's loss
         lost = head_loss(None)
