@@ -8,8 +8,9 @@ with the layout overridden). Every `max_staleness` in `--staleness` (default 0, 
 `chatlearn train` for `--episodes` episodes, one after another, with an eval of 64 held-out prompts before
 training and after every episode.
 
-Per variant: samples per second (the episode's samples over the median `episode_seconds` of the episodes after
-the first two: the pipeline fills in the first ones) and generated tokens per second (responses lengthen as
+Per variant: samples per second (the median over the episodes after the first two, when the pipeline has filled,
+of the samples an episode trained over its `episode_seconds`; with partial rollouts an episode trains the prompt
+groups that finished, a varying number) and generated tokens per second (responses lengthen as
 the policy learns, at each variant's own pace), the staleness the trainer saw, and the eval reward after
 each episode against the samples trained. The speed-up is each variant's samples per second over
 `max_staleness: 0`'s; the eval reward is compared at equal samples (after the last episode). Prints a table,
@@ -17,6 +18,7 @@ writes `bench/results/async.json` and plots the curves in `bench/results/async.p
 
     .venv/bin/python bench/async.py [--episodes 6] [--prompts 64] [--staleness 0 1 2] [--work DIR]
         [--extra key=value ... --tag NAME]   # e.g. a rollout correction, written to async-NAME.json
+    # partial rollouts: --tag partial --extra runtime.use_partial_rollout=true runtime.stream_data_loader_type=dynamic
 """
 
 import argparse
@@ -65,12 +67,19 @@ def run_variant(work: Path, model: Path, data: Path, eval_data: Path, k: int, ar
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     kept = rows[2:] or rows
     seconds = statistics.median(r["episode_seconds"] for r in kept)
+    # samples trained: an episode's sample_per_episode, but with partial rollouts the groups that finished
+    trained = [r.get("num_samples", samples) for r in rows]
+    per_second = statistics.median(n / r["episode_seconds"] for n, r in zip(trained[2:] or trained, kept, strict=True))
     # responses lengthen as the policy learns, and at a different pace per variant: tokens per second too
-    tokens = statistics.median(samples * r["response_length_mean"] / r["episode_seconds"] for r in kept)
+    tokens = statistics.median(n * r.get("response_length_mean", 0.0) / r["episode_seconds"]
+                               for n, r in zip(trained[2:] or trained, kept, strict=True))
     curve = [(0, rows[0].get("eval_reward_mean_before_training"))]
-    curve += [(r["consumed_samples"], r.get("eval_reward_mean")) for r in rows]
+    curve += [(sum(trained[:i + 1]), r.get("eval_reward_mean")) for i, r in enumerate(rows)]
     return {"max_staleness": k, "wall_seconds": wall, "episode_seconds": [r["episode_seconds"] for r in rows],
-            "steady_episode_seconds": seconds, "samples_per_second": samples / seconds,
+            "steady_episode_seconds": seconds, "samples_per_second": per_second, "samples_trained": trained,
+            "partial": {key: [r.get(key) for r in rows] for key in ("round_0_samples", "round_1_samples",
+                                                                    "partial_unfinished", "partial_waiting",
+                                                                    "staleness_token_mean")},
             "generated_tokens_per_second": tokens,
             "response_length_mean_per_episode": [r.get("response_length_mean") for r in rows],
             "stage_seconds": [r.get("stage_seconds", {}) for r in rows],
@@ -82,7 +91,7 @@ def run_variant(work: Path, model: Path, data: Path, eval_data: Path, k: int, ar
             "eval_curve": curve}
 
 
-def plot(variants: list[dict], path: Path) -> None:
+def plot(variants: list[dict], path: Path, tag: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,7 +105,7 @@ def plot(variants: list[dict], path: Path) -> None:
                    label=f"max_staleness {v['max_staleness']}")
     left.set_xlabel("samples trained")
     left.set_ylabel("eval reward (mean)")
-    left.set_title("eval reward against samples trained")
+    left.set_title("eval reward against samples trained" + (f" ({tag})" if tag else ""))
     right.set_xlabel("episode")
     right.set_ylabel("seconds")
     right.set_title("seconds per episode")
@@ -140,8 +149,7 @@ def main(argv: list[str]) -> dict:
                            "episodes": args.episodes, "new_tokens": wl.new_tokens,
                            "prompt_tokens": wl.prompt_tokens, "eos_alpha": built["eos_alpha"],
                            "eval_prompts": EVAL_PROMPTS, "layout": LAYOUT, "overrides": list(wl.ours),
-                           "machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
-                           "partial_rollouts": "not implemented yet (issue 26 item 3)"},
+                           "machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d")},
               "variants": variants}
     print(f"\n{args.prompts} prompts x {wl.per_prompt} samples an episode, {args.episodes} episodes, responses up to "
           f"{wl.new_tokens} tokens; one generation process, one training process")
@@ -155,7 +163,7 @@ def main(argv: list[str]) -> dict:
     suffix = f"-{args.tag}" if args.tag else ""
     out, png = RESULT.with_stem(RESULT.stem + suffix), PLOT.with_stem(PLOT.stem + suffix)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(variants, png)
+    plot(variants, png, args.tag)
     print(f"wrote {out.relative_to(REPO)} and {png.relative_to(REPO)}")
     return result
 
