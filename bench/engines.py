@@ -1,8 +1,8 @@
 """Each engine's shipped config end to end: what it learned (before/after) and seconds per episode.
 
 Runs `chatlearn train configs/<engine>.yaml` (the real command, its own local Prefect server) for the
-default (PPO), grpo, dpo and online_dpo (LoRA on) configs one after the other, reads each run's
-`metrics.jsonl` and `summary.json`, prints a table and writes `bench/results/engines.json`. Timings on a
+default (PPO), grpo, dpo, online_dpo (LoRA on), rloo, reinforce_pp and dapo configs one after the other, reads
+each run's `metrics.jsonl` and `summary.json`, prints a table and writes `bench/results/engines.json`. Timings on a
 shared machine are noisy: seconds per episode are medians over episodes 2..N (episode 1 includes Ray
 task-worker start-up).
 
@@ -18,12 +18,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, run_train  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
-CONFIGS = {"ppo": "default", "grpo": "grpo", "dpo": "dpo", "online_dpo": "online_dpo"}
+CONFIGS = {"ppo": "default", "grpo": "grpo", "dpo": "dpo", "online_dpo": "online_dpo", "rloo": "rloo",
+           "reinforce_pp": "reinforce_pp", "dapo": "dapo"}
 # (metric, where): "before" is the eval before training, "after" the last eval of the run
 QUALITY = {
     "ppo": ["eval_reward_mean", "eval_exact_match"],
     "grpo": ["eval_reward_mean", "eval_exact_match"],
     "online_dpo": ["eval_reward_mean", "eval_exact_match"],
+    "rloo": ["eval_reward_mean", "eval_exact_match"],
+    "reinforce_pp": ["eval_reward_mean", "eval_exact_match"],
+    "dapo": ["eval_reward_mean", "eval_exact_match"],
     "dpo": ["eval_preference_accuracy", "eval_reward_margin"],
 }
 

@@ -1,5 +1,5 @@
 """`chatlearn` command: `train`, `eval`, `config`, `plan`, `deploy`, `serve`, each `[CONFIG] [key=value ...]`,
-and `server`.
+`server`, and `reward-server MODEL_PATH`.
 
 CONFIG is a YAML file, or the name of a config shipped with the package, without a folder: `default` (the
 embedded default, used without CONFIG), `grpo`, `dpo`, `online_dpo` (the repository's `configs/`, so
@@ -11,6 +11,8 @@ checks); `plan` prints where every model rank would run on a cluster of `--nodes
 starting Ray.
 `deploy` registers the config as a Prefect deployment (the UI's run form is the config) that a process
 worker runs, `serve` runs one from this process, `server` keeps the local Prefect server and its UI up.
+`reward-server` serves a reward model over HTTP to the runs that name it in `models.<name>.args_dict.remote_url`
+(`chatlearn.models.hf.reward_server`).
 
 The commands import torch, Ray and Prefect only when they run, so `chatlearn config` answers at once.
 """
@@ -175,6 +177,18 @@ def cmd_server(host: str, port: int | None) -> int:
     return 0
 
 
+def cmd_reward_server(model_path: str, host: str, port: int, batch_size: int, dtype: str, device: str | None) -> int:
+    """`reward-server`: load the reward model once and serve it until Ctrl-C / SIGTERM (exit 0)."""
+    try:
+        # lazy: torch and transformers load only for the commands that run something (see the module docstring)
+        from chatlearn.models.hf.reward_server import serve
+    except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing was served, nothing to resume
+        print("chatlearn reward-server: stopped by SIGINT", file=sys.stderr)
+        return 0
+    serve(model_path, host, port, batch_size, dtype, device)
+    return 0
+
+
 def cmd_deploy(items: list[str], how: str, name: str | None, cron: str | None, on_overlap: str | None,
                evaluate: bool, work_pool: str | None) -> int:
     """`deploy`: register on the work pool and exit; `serve`: register and run the deployment here."""
@@ -270,6 +284,11 @@ _COMMANDS: dict[str, tuple[str, str]] = {
                "address and the PREFECT_API_URL for workers; basic authentication with "
                "PREFECT_SERVER_API_AUTH_STRING=user:password",
                "chatlearn server --host 0.0.0.0 --port 4200   # PREFECT_SERVER_API_AUTH_STRING=user:password exported"),
+    "reward-server": ("serve a reward model (a Hugging Face sequence-classification model, one label) over HTTP "
+                      "until Ctrl-C, for runs that set models.<name>.args_dict.remote_url to its address; prints "
+                      "that address first",
+                      "chatlearn reward-server output/my-reward-model --port 8765   # remote_url: "
+                      "http://127.0.0.1:8765"),
 }
 
 
@@ -286,6 +305,20 @@ def _parser() -> argparse.ArgumentParser:
                                 "any but 127.0.0.1 needs PREFECT_SERVER_API_AUTH_STRING=user:password, the basic "
                                 "authentication every client then sends as PREFECT_API_AUTH_STRING")
             p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+            continue
+        if name == "reward-server":
+            p.add_argument("model_path", metavar="MODEL_PATH",
+                           help="local Hugging Face model directory of the reward model (loaded as "
+                                "AutoModelForSequenceClassification with num_labels=1, as ModelReward loads it)")
+            p.add_argument("--host", default="127.0.0.1",
+                           help="address to listen on (default 127.0.0.1; 0.0.0.0: every address, for a cluster; "
+                                "there is no authentication)")
+            p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: a free one, printed)")
+            p.add_argument("--batch-size", type=int, default=16,
+                           help="texts per forward pass (default 16); a request of more is scored in batches")
+            p.add_argument("--dtype", default="float32", help="torch dtype of the weights (default float32)")
+            p.add_argument("--device", default=None,
+                           help="torch device (default: cuda when there is a GPU, else cpu)")
             continue
         if name == "plan":
             p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
@@ -339,6 +372,8 @@ def _main(argv: list[str] | None) -> int:
             return cmd_plan(ns.args, ns.nodes, ns.gpus_per_node, ns.cpus_per_node)
         if ns.command == "server":
             return cmd_server(ns.host, ns.port)
+        if ns.command == "reward-server":
+            return cmd_reward_server(ns.model_path, ns.host, ns.port, ns.batch_size, ns.dtype, ns.device)
         if ns.command in ("deploy", "serve"):
             return cmd_deploy(ns.args, ns.command, ns.name, ns.cron, ns.on_overlap, ns.evaluate,
                               getattr(ns, "work_pool", None))

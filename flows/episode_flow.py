@@ -18,8 +18,9 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from chatlearn.runtime.calls.handles import RunHandle
+from chatlearn.runtime.calls.handles import RefBox, RunHandle
 from chatlearn.runtime.calls.recovery import kill_point
+from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.pipeline import EpisodeGate
 from chatlearn.runtime.plan import EpisodePlan
 from chatlearn.runtime.schedule import every
@@ -55,6 +56,8 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
         gate.generated()
         start_iteration = gate.wait()
     experience = score.submit(*unwalked([run, rollouts]))
+    if run.sampling_rounds > 1:  # dynamic sampling: more rounds of prompts while too few groups teach anything
+        rollouts, experience = more_rounds(run, episode, consumed_samples, rollouts.result(), experience.result())
     trained = train.submit(*unwalked([run, experience, episode, start_iteration]))
     synced = sync.submit(*unwalked([run, episode, trained]))
     # one stage at a time after train: a model replica of several processes runs collectives (FSDP gathers,
@@ -63,11 +66,13 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
     eval_due = run.plan.evaluator is not None and every(run.eval_episode_interval, episode)
     evaluated = (evaluate.submit(*unwalked([run, episode, synced, trained]), wait_for=[saved]) if eval_due
                  else None)
-    rollouts.wait()
+    if not isinstance(rollouts, RefBox):
+        rollouts.wait()
     crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
     kill_point("after_generate", episode, run.run_dir)  # for recovery tests: a model process dies here
 
-    gen, exp, tr, sy, ck = rollouts.result(), experience.result(), trained.result(), synced.result(), saved.result()
+    gen, exp = (rollouts, experience) if isinstance(rollouts, RefBox) else (rollouts.result(), experience.result())
+    tr, sy, ck = trained.result(), synced.result(), saved.result()
     metrics: dict[str, Any] = {"episode": episode, "consumed_samples": consumed_samples + gen.meta["num_samples"]}
     metrics.update({k: v for k, v in tr.items() if k != "seconds"})
     metrics["checkpoint_paths"] = ck["paths"]
@@ -78,6 +83,8 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
     if ck["partial_rollouts"]:
         metrics["partial_rollouts"] = ck["partial_rollouts"]
     metrics.update(gen.meta.get("partial", {}))
+    if "sampling_rounds" in gen.meta:
+        metrics["dynamic_sampling_rounds"] = gen.meta["sampling_rounds"]
     timing = {"generate": gen.meta["seconds"], "score": exp.meta["seconds"], "train": tr["seconds"],
               "sync": sy["seconds"], "checkpoint": ck["seconds"]}
     if evaluated is not None:
@@ -87,6 +94,33 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
         timing["eval"] = ev["seconds"]
     metrics["stage_seconds"] = timing
     return metrics
+
+
+def more_rounds(run: RunHandle, episode: int, consumed_samples: int, rollouts: RefBox,
+                experience: RefBox) -> tuple[RefBox, RefBox]:
+    """Dynamic sampling (`chatlearn.data.dynamic_sampling`): generate and score the stream's next prompts, each
+    round a generate and a score task run of this episode, while fewer than ``sample_per_episode`` samples are
+    in groups the reward tells apart, up to ``run.sampling_rounds`` rounds. Returns every round's rollouts and
+    experience as one of each (the stream dataset keeps the informative groups)."""
+    gens, exps = [rollouts], [experience]
+    clock = StageClock("score", episode, run.stage_timeout_s)
+
+    def informative() -> int:
+        parts = [p for e in exps for p in (e.refs if e.meta.get("merged") else [[r] for r in e.refs])]
+        return int(clock.get(run.stream().informative_samples.remote(parts), "the stream dataset"))
+
+    while len(gens) < run.sampling_rounds and informative() < run.sample_per_episode:
+        consumed = consumed_samples + sum(g.meta["num_samples"] for g in gens)
+        more = generate.submit(*unwalked([run, episode, consumed, len(gens)]))
+        exps.append(score.submit(*unwalked([run, more])).result())
+        gens.append(more.result())
+    first = gens[0].meta
+    gen = RefBox([r for g in gens for r in g.refs], **{**first, "num_samples": sum(g.meta["num_samples"] for g in gens),
+                                                      "seconds": sum(g.meta["seconds"] for g in gens),
+                                                      "num_batches": sum(len(g.refs) for g in gens),
+                                                      "sampling_rounds": len(gens)})
+    exp = RefBox([r for e in exps for r in e.refs], **{**exps[0].meta, "seconds": sum(e.meta["seconds"] for e in exps)})
+    return gen, exp
 
 
 def episode_runner(plan: EpisodePlan) -> Any:

@@ -91,16 +91,16 @@ def in_stage(stage: str) -> Callable[[F], F]:
 
 @task(name="generate", cache_policy=NO_CACHE)
 @in_stage("generate")
-def generate(run: RunHandle, episode: int, consumed_samples: int) -> RefBox:
+def generate(run: RunHandle, episode: int, consumed_samples: int, sampling_round: int = 0) -> RefBox:
     """The environment's first call (the producer) answers this episode's prompts, batches dealt over its
-    replicas."""
+    replicas. ``sampling_round`` > 0: dynamic sampling's next round of the episode, the stream's next prompts."""
     clock = StageClock("generate", episode, run.stage_timeout_s)
     flow = run.plan.environment
     replicas = len(run.actors[flow.producer.model])
     prompts = episode_generation_batches(run.dataset_size, consumed_samples, run.sample_per_episode,
                                          run.generation_batch_size, replicas, run.shuffle_seed, run.group_size)
     num_samples = sum(len(idx) for _, idx, _ in prompts)
-    first_iteration = episode * len(prompts)
+    first_iteration = (episode * run.sampling_rounds + sampling_round) * len(prompts)
     # stream positions identify samples: per-sample seeds make responses independent of the batching
     # pipelined: on the weights of max_staleness episodes before, whatever trains meanwhile
     version = (generation_version(episode, run.max_staleness)

@@ -115,6 +115,8 @@ DECLARED_EXTRAS = {
         "rollout_engine": "hf",  # HEAD's default is vllm, a GPU build this project refuses (not supported yet)
         "max_staleness": 0,  # pipelined episodes (the peers' name, TRL's max_staleness); 0 is ChatLearn's episode
         "use_partial_rollout": False,  # HEAD's partial rollouts
+        "dynamic_sampling": False,  # DAPO's dynamic sampling (verl's filter_groups)
+        "max_sampling_rounds": 3,
         # HEAD's PartialRolloutManagerConfig defaults, but mini_response_per_prompt (HEAD: 16): unset means
         # num_inference_per_prompt - 1, the one value supported (a group trains whole)
         "partial_rollout_manager_config": PartialRolloutConfig(max_rollout_round=2, rollout_ratio=[0.5, 0.5],

@@ -209,6 +209,14 @@ def test_grpo_reference_is_optional_only_without_kl():
     assert problems == ["models.ppo_policy.args_dict.kl_coef: 0.01 needs a reference model (models.reference); "
                         "add one or set kl_coef to 0"]
     load_config(raw, no_ref, [EngineChecks()])  # no KL term: no reference needed
+    # nor a KL penalty in the reward (REINFORCE++'s)
+    rpp = [*no_ref, "models.reward.args_dict.advantage_estimator=reinforce_pp",
+           "models.ppo_policy.args_dict.whiten_advantages=true"]
+    load_config(raw, rpp, [EngineChecks()])
+    with pytest.raises(ConfigError) as err:
+        load_config(raw, [*rpp, "models.reward.args_dict.kl_coef=0.02"], [EngineChecks()])
+    assert err.value.problems == ["models.reward.args_dict.kl_coef: 0.02 penalises the KL to the reference; add "
+                                  "models.reference or set kl_coef to 0"]
 
 
 def test_old_logprobs_from_generation_need_the_trainers_weights():
@@ -233,16 +241,27 @@ def test_current_old_logprobs_need_one_optimizer_step_per_episode():
                         "runtime.train_global_batch_size=0") == ["runtime.train_global_batch_size: must be > 0, got 0"]
 
 
-def test_ppo_reward_settings_are_refused_without_a_critic():
+def test_reward_settings_the_estimator_does_not_read_are_refused():
     assert check_config("grpo", "models.reward.args_dict.kl_coef=0.05") == [
-        "models.reward.args_dict.kl_coef: PPO's reward setting has no effect in the grpo engine (no critic, no GAE; "
-        "the KL term is models.ppo_policy.args_dict.kl_coef); remove it"]
+        "models.reward.args_dict.kl_coef: the advantage estimator 'grpo' does not use it (it reads none of "
+        "['kl_coef', 'kl_estimator', 'gamma', 'lam']) (the KL loss term is models.ppo_policy.args_dict.kl_coef); "
+        "remove it"]
     assert len(check_config("online_dpo", "models.reward.args_dict.lam=0.9")) == 1
+    # REINFORCE++ reads the KL penalty and gamma, not GAE's lambda; it needs the trainer's global whitening
+    rpp = ("models.reward.args_dict.advantage_estimator=reinforce_pp", "models.reward.args_dict.gamma=0.99")
+    assert check_config("grpo", *rpp, "models.reward.args_dict.lam=0.9") == [
+        "models.reward.args_dict.lam: the advantage estimator 'reinforce_pp' does not use it (it reads ['kl_coef', "
+        "'kl_estimator', 'gamma']); remove it",
+        "models.ppo_policy.args_dict.whiten_advantages: the advantage estimator 'reinforce_pp' is whitened over each "
+        "global batch by the trainer; set it to true"]
+    assert check_config("grpo", *rpp, "models.ppo_policy.args_dict.whiten_advantages=true",
+                        "models.reward.args_dict.kl_coef=0.01", "models.reward.args_dict.kl_estimator=k3") == []
 
 
 def test_the_advantage_estimator_is_the_engines_and_an_unknown_one_is_refused():
     assert check("models.reward.args_dict.advantage_estimator=vtrace")[0] == [
-        "models.reward.args_dict.advantage_estimator: unknown advantage estimator 'vtrace'; known: ['gae', 'grpo']"]
+        "models.reward.args_dict.advantage_estimator: unknown advantage estimator 'vtrace'; known: ['dr_grpo', 'gae', "
+        "'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"]
     # the engine's own, named: accepted; another engine's whose inputs the models make: accepted too
     assert check_config("grpo", "models.reward.args_dict.advantage_estimator=grpo") == []
     assert check("models.reward.args_dict.advantage_estimator=gae")[0] == []
@@ -250,10 +269,14 @@ def test_the_advantage_estimator_is_the_engines_and_an_unknown_one_is_refused():
     assert check_config("grpo", "models.reward.args_dict.advantage_estimator=gae") == [
         "models.reward.args_dict.advantage_estimator: 'gae' reads ['values'], which no model of the grpo engine "
         "makes (the grpo engine runs 'grpo')"]
-    # the group estimator reads prompt groups: one response per prompt (the default's) makes none
-    assert check("models.reward.args_dict.advantage_estimator=grpo")[0] == [
+    # the group estimator reads prompt groups: one response per prompt (the default's) makes none; and the
+    # default's GAE settings (its KL penalty, gamma, lam) would do nothing: each is named
+    problems = check("models.reward.args_dict.advantage_estimator=grpo")[0]
+    assert problems[-1] == (
         "models.reward.args_dict.advantage_estimator: 'grpo' reads ['group_id'], which no model of the rlhf engine "
-        "makes (the rlhf engine runs 'gae')"]
+        "makes (the rlhf engine runs 'gae')")
+    assert [p.split(":")[0] for p in problems[:-1]] == [f"models.reward.args_dict.{k}" for k in ("kl_coef", "gamma",
+                                                                                                  "lam")]
 
 
 def test_an_engine_built_in_code_under_another_runtime_engine_runs_its_own_estimator(monkeypatch):

@@ -215,11 +215,19 @@ def test_old_logprobs_from_generation_and_from_the_trainer_agree(tiny_model_dir,
     assert torch.allclose(old, grpo_batch["logprobs"], atol=1e-6, rtol=0)  # same weights, same forward
 
 
-@pytest.mark.parametrize("loss", ["grpo", "gspo"])
-def test_grpo_step_normalises_by_the_global_batch_tokens(tiny_model_dir, grpo_batch, loss):
-    """Micro-batches [0:5] and [5:12] give the same gradient as one batch of 12: each token weighs 1/total."""
+@pytest.mark.parametrize("loss, extra", [
+    ("grpo", {}),
+    ("gspo", {}),
+    ("cispo", {"pos_clip_ratio": 0.28}),
+    ("grpo", {"loss_agg_mode": "seq-mean-token-mean", "kl_estimator": "k1"}),
+    ("gspo", {"loss_agg_mode": "seq-mean-token-sum", "kl_estimator": "k2"}),
+    ("grpo", {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 4, "whiten_advantages": True}),
+], ids=["grpo", "gspo", "cispo", "seq-mean-token-mean-k1", "seq-mean-token-sum-k2", "dr-grpo-norm-whitened"])
+def test_grpo_step_normalises_by_the_global_batch_tokens(tiny_model_dir, grpo_batch, loss, extra):
+    """Micro-batches [0:5] and [5:12] give the same gradient as one batch of 12, for every loss, aggregation
+    mode (each unit weighs 1/total of the global batch's), KL estimator and the global-batch whitening."""
     args = {"model_path": tiny_model_dir, "kl_coef": 0.1, "entropy_coef": 0.01, "max_grad_norm": 1e9,
-            "policy_loss": loss}
+            "policy_loss": loss, **extra}
     samples = split_batch({**grpo_batch, "ref_logprobs": grpo_batch["logprobs"] - 0.1})
     grads = []
     for cut in ([slice(0, 12)], [slice(0, 5), slice(5, 12)]):

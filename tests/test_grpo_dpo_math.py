@@ -156,8 +156,8 @@ def test_grpo_accepts_per_token_advantages_and_rejects_bad_shapes() -> None:
     close(loss, (-1.0 + 1.1) / 2)
     with pytest.raises(ValueError, match="advantages"):
         grpo_token_loss(new, old, t([1.0, 2.0]), mask)
-    with pytest.raises(ValueError, match="total_tokens"):
-        grpo_token_loss(new, old, t([1.0]), mask, total_tokens=0)
+    with pytest.raises(ValueError, match="units must be > 0"):
+        grpo_token_loss(new, old, t([1.0]), mask, total=0)
 
 
 def test_registered_policy_losses() -> None:
@@ -219,8 +219,8 @@ def test_micro_batch_losses_sum_to_global_batch_loss(loss_fn) -> None:
     adv = t([1.0, -0.5, 2.0, -1.5])
     whole, _ = loss_fn(new, old, adv, mask)
     # 10 valid tokens in the global batch; micro-batch 2 is cut to its own width (3)
-    first, _ = loss_fn(new[:2], old[:2], adv[:2], mask[:2], total_tokens=10)
-    second, _ = loss_fn(new[2:, :3], old[2:, :3], adv[2:], mask[2:, :3], total_tokens=10)
+    first, _ = loss_fn(new[:2], old[:2], adv[:2], mask[:2], total=10)
+    second, _ = loss_fn(new[2:, :3], old[2:, :3], adv[2:], mask[2:, :3], total=10)
     close(first + second, whole.item(), atol=1e-12)
     # the naive mean of per-micro-batch means (6 and 4 tokens) weights tokens unequally
     mean_first, _ = loss_fn(new[:2], old[:2], adv[:2], mask[:2])

@@ -21,14 +21,15 @@ advantage), ``policy_trainer.py`` (k3 KL, global-token normalisation) and
 ``trainer_utils.py`` (entropy).  Conventions (``[B, T]`` response tensors, masks, NaN-safe
 padding) are those of :mod:`chatlearn.algorithms.ppo`.
 
-The policy losses are registered here (``"grpo"``, ``"gspo"``); the advantage estimator ``"grpo"``
+The policy losses are registered here (``"grpo"``, ``"gspo"``, ``"cispo"``); the advantage estimator ``"grpo"``
 (:func:`group_advantages_by_id` on a scored batch) in :mod:`chatlearn.algorithms.advantages`.
 """
 
 import torch
 import torch.nn.functional as F
 
-from chatlearn.algorithms.ppo import masked_mean, masked_sum
+from chatlearn.algorithms.aggregation import aggregate_loss
+from chatlearn.algorithms.ppo import masked_mean
 from chatlearn.algorithms.registry import register_policy_loss
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "group_advantages_by_id",
     "grpo_token_loss",
     "gspo_sequence_loss",
+    "cispo_loss",
     "k3_kl",
     "entropy_from_logits",
 ]
@@ -144,15 +146,6 @@ def _broadcast_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch
     return advantages
 
 
-def _normaliser(mask: torch.Tensor, total_tokens: float | None, like: torch.Tensor) -> torch.Tensor:
-    """Denominator of the loss: ``total_tokens`` if given, else this batch's valid-token count (min 1)."""
-    if total_tokens is None:
-        return masked_sum(torch.ones_like(like), mask).clamp_min(1)
-    if total_tokens <= 0:
-        raise ValueError(f"total_tokens must be > 0, got {total_tokens}")
-    return torch.tensor(float(total_tokens), dtype=like.dtype, device=like.device)
-
-
 def _clipped_pg_loss(
     log_ratio: torch.Tensor,
     raw_log_ratio: torch.Tensor,
@@ -163,8 +156,10 @@ def _clipped_pg_loss(
     neg_clip_ratio: float,
     diff_clip_ratio: float,
     final_clip_ratio: float,
-    total_tokens: float | None,
+    total: float | None,
     token_weights: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Shared tail of the GRPO and GSPO losses (ChatLearn ``loss_gallery.py``), see :func:`grpo_token_loss`.
 
@@ -186,7 +181,7 @@ def _clipped_pg_loss(
     per_token = torch.clamp(pg, max=final_clip_ratio)
     if token_weights is not None:  # an off-policy correction's importance weights (chatlearn.algorithms.off_policy)
         per_token = per_token * token_weights.detach().to(per_token.dtype)
-    loss = masked_sum(per_token, valid) / _normaliser(valid, total_tokens, per_token)
+    loss = aggregate_loss(per_token, valid, loss_agg_mode, total, loss_scale_factor)
 
     with torch.no_grad():
         as_float = torch.promote_types(ratio.dtype, torch.float32)  # bf16 fractions would be coarse
@@ -212,8 +207,10 @@ def grpo_token_loss(
     neg_clip_ratio: float = 0.2,
     diff_clip_ratio: float = 10.0,
     final_clip_ratio: float = 3.0,
-    total_tokens: float | None = None,
+    total: float | None = None,
     token_weights: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """ChatLearn HEAD's token-level GRPO loss (``calculate_grpo_loss``), as a loss to minimise.
 
@@ -222,7 +219,7 @@ def grpo_token_loss(
         ratio = exp(min(log_ratio, diff_clip_ratio))
         pg    = max(-A * ratio, -A * clamp(ratio, 1 - neg_clip_ratio, 1 + pos_clip_ratio))
         pg    = min(pg, final_clip_ratio)
-        loss  = sum(pg over valid tokens) / total_tokens
+        loss  = sum(pg over valid tokens) / total    (loss_agg_mode token-mean)
 
     * The log-ratio is clamped only from above (as in ChatLearn): ``exp`` cannot overflow,
       and a very negative log-ratio just gives ratio ~0.
@@ -232,11 +229,13 @@ def grpo_token_loss(
       (ChatLearn ``loss_gallery.py`` ``torch.min(pg_loss_clip, ones * final_clip_ratio)``);
       it only binds for negative advantages, bounding the loss of a token whose ratio
       exploded.  Pass ``float("inf")`` to disable it.
-    * ``total_tokens`` should be the number of valid response tokens in the whole global
-      batch (all micro-batches, all data-parallel ranks' share as the caller's gradient
-      reduction requires), so micro-batch losses are summed, not averaged.  ChatLearn also
-      multiplies by the DP size because its all-reduce averages gradients; that scaling is
-      left to the caller.  Defaults to this batch's own ``mask.sum()`` (min 1).
+    * ``total`` should be the units of ``loss_agg_mode`` in the whole global batch (for
+      ``token-mean``, ChatLearn's: the valid response tokens of all micro-batches and all
+      data-parallel ranks' share as the caller's gradient reduction requires), so micro-batch
+      losses are summed, not averaged.  ChatLearn also multiplies by the DP size because its
+      all-reduce averages gradients; that scaling is left to the caller.  Defaults to this
+      batch's own count (:func:`~chatlearn.algorithms.aggregation.aggregate_loss`, which also
+      describes the sequence-mean modes and ``loss_scale_factor``).
 
     Padded positions may hold garbage (NaN/inf): they are zeroed before any arithmetic, so
     neither the loss nor the gradient sees them.
@@ -250,9 +249,12 @@ def grpo_token_loss(
         neg_clip_ratio: lower clip, ratio >= ``1 - neg_clip_ratio`` for A < 0.
         diff_clip_ratio: upper bound of the log-ratio before ``exp``.
         final_clip_ratio: upper bound of the per-token loss.
-        total_tokens: normaliser, see above.
+        total: normaliser, see above.
         token_weights: ``[B, T]`` importance weights each token's loss is multiplied by (an off-policy
             correction's, :mod:`chatlearn.algorithms.off_policy`); no gradient flows through them.
+        loss_agg_mode: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` or
+            ``seq-mean-token-sum-norm``.
+        loss_scale_factor: the constant normaliser of ``seq-mean-token-sum-norm``.
 
     Returns:
         ``(loss, stats)``; stats are python floats averaged over this batch's valid tokens:
@@ -275,8 +277,10 @@ def grpo_token_loss(
         neg_clip_ratio=neg_clip_ratio,
         diff_clip_ratio=diff_clip_ratio,
         final_clip_ratio=final_clip_ratio,
-        total_tokens=total_tokens,
+        total=total,
         token_weights=token_weights,
+        loss_agg_mode=loss_agg_mode,
+        loss_scale_factor=loss_scale_factor,
     )
 
 
@@ -291,8 +295,10 @@ def gspo_sequence_loss(
     neg_clip_ratio: float = 0.2,
     diff_clip_ratio: float = 10.0,
     final_clip_ratio: float = 3.0,
-    total_tokens: float | None = None,
+    total: float | None = None,
     token_weights: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Group Sequence Policy Optimization) loss, following ChatLearn's ``calculate_gspo_loss``.
 
@@ -332,9 +338,62 @@ def gspo_sequence_loss(
         neg_clip_ratio=neg_clip_ratio,
         diff_clip_ratio=diff_clip_ratio,
         final_clip_ratio=final_clip_ratio,
-        total_tokens=total_tokens,
+        total=total,
         token_weights=token_weights,
+        loss_agg_mode=loss_agg_mode,
+        loss_scale_factor=loss_scale_factor,
     )
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    pos_clip_ratio: float = 0.2,
+    neg_clip_ratio: float = 0.2,
+    total: float | None = None,
+    token_weights: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1): the clipped importance weight as a constant, times the REINFORCE term.
+
+    Per valid token, ``loss = -sg(clamp(ratio, 1 - neg_clip_ratio, 1 + pos_clip_ratio)) * A * logprobs`` with
+    ``ratio = exp(logprobs - old_logprobs)`` (the log-ratio clamped to +-20, as verl does). Unlike PPO's clip,
+    no token's gradient is ever zeroed: a token outside the band still learns, with its weight capped, which is
+    what keeps the rare "fork" tokens of long reasoning in the update. The gradient w.r.t. ``logprobs`` is
+    ``-sg(weight) * A`` (divided by the aggregation's normaliser).
+
+    GRPO's other clips (``diff_clip_ratio``, ``final_clip_ratio``) do not apply, and the trainer refuses them.
+
+    Returns ``(loss, stats)``: ``clipfrac`` (the weight was clipped), ``pos_clipfrac`` / ``neg_clipfrac``
+    (above / below the band), ``final_clipfrac`` 0, ``approx_kl`` and ``ratio_mean`` as :func:`grpo_token_loss`.
+    """
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero).detach()
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    weight = torch.clamp(ratio, 1.0 - neg_clip_ratio, 1.0 + pos_clip_ratio)
+    adv = _broadcast_advantages(advantages, mask).to(logprobs.dtype)
+    adv = torch.where(valid, adv, zero)
+    per_token = -weight * adv * torch.where(valid, logprobs, zero)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
+    loss = aggregate_loss(per_token, valid, loss_agg_mode, total, loss_scale_factor)
+    with torch.no_grad():
+        as_float = torch.promote_types(ratio.dtype, torch.float32)
+        stats = {
+            "clipfrac": masked_mean((weight != ratio).to(as_float), valid).item(),
+            "pos_clipfrac": masked_mean((ratio > 1.0 + pos_clip_ratio).to(as_float), valid).item(),
+            "neg_clipfrac": masked_mean((ratio < 1.0 - neg_clip_ratio).to(as_float), valid).item(),
+            "final_clipfrac": 0.0,
+            "approx_kl": masked_mean(-log_ratio, valid).item(),
+            "ratio_mean": masked_mean(ratio, valid).item(),
+        }
+    return loss, stats
 
 
 # --------------------------------------------------------------------------------------

@@ -197,10 +197,18 @@ def kl_penalized_rewards(
         token gets no score (all zeros) instead of an out-of-range write.
     """
     with torch.no_grad():
-        valid = mask.bool()
-        kl = _zero_padding(logprobs - ref_logprobs, valid)
-        rewards = -kl_coef * kl
+        kl = _zero_padding(logprobs - ref_logprobs, mask.bool())
+    return outcome_rewards(scores, mask, -kl_coef * kl), kl
 
+
+def outcome_rewards(scores: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """``scores`` ``[B]`` credited at each row's last valid token, added to the per-token ``rewards`` ``[B, T]``
+    (e.g. a KL penalty; default zeros). A row with no valid token gets no score."""
+    with torch.no_grad():
+        valid = mask.bool()
+        if rewards is None:
+            rewards = torch.zeros(valid.shape, dtype=torch.promote_types(scores.dtype, torch.float32),
+                                  device=valid.device)
         # Index of the last valid token per row (-1 if none). Using the max valid
         # position rather than ``length - 1`` stays correct even for non-prefix masks.
         positions = torch.arange(valid.shape[-1], device=valid.device).expand_as(valid)
@@ -209,8 +217,20 @@ def kl_penalized_rewards(
         score_at_last = torch.where(
             has_token, scores.to(rewards.dtype), torch.zeros((), dtype=rewards.dtype, device=rewards.device)
         )
-        rewards = rewards.scatter_add(-1, last.clamp_min(0).unsqueeze(-1), score_at_last.unsqueeze(-1))
-    return rewards, kl
+        return rewards.scatter_add(-1, last.clamp_min(0).unsqueeze(-1), score_at_last.unsqueeze(-1))
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{t+1}`` over the valid tokens, right to left (REINFORCE's returns, no critic);
+    a padded position passes the running return through unchanged and is 0 itself."""
+    with torch.no_grad():
+        valid = mask.bool()
+        out = torch.zeros_like(rewards)
+        running = torch.zeros_like(rewards[:, 0])
+        for t in reversed(range(rewards.shape[-1])):
+            running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
+            out[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
+    return out
 
 
 def gae_advantages_and_returns(
@@ -275,8 +295,10 @@ def ppo_clipped_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cliprange: float,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate objective (Schulman et al. 2017), as a loss to minimise.
+    """PPO clipped surrogate objective (Schulman et al. 2017), as a loss to minimise; with ``clip_ratio_c``,
+    dual-clip PPO (Ye et al. 2019).
 
     Per token: ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))`` with
     ``r = exp(logprobs - old_logprobs)``.  Taking the max (pessimistic bound) removes
@@ -291,18 +313,29 @@ def ppo_clipped_policy_loss(
         advantages: ``[B, T]``.
         mask: ``[B, T]`` response mask.
         cliprange: PPO epsilon.
+        clip_ratio_c: dual clip (> 1; None: off). For a negative advantage the loss is at most
+            ``-A * clip_ratio_c``: a token whose ratio exploded on a bad action cannot dominate the batch
+            (plain PPO's max leaves ``-A * ratio`` unbounded there). Positive advantages are unchanged.
 
     Returns:
         ``(loss, stats)``: loss is a 0-dim tensor; stats are python floats:
         ``clipfrac`` (fraction of valid tokens where the clipped term was active),
         ``approx_kl`` (mean of ``old - new`` log-probs, a cheap KL(old || new) estimate),
-        ``ratio_mean``.
+        ``ratio_mean``, and with ``clip_ratio_c`` ``dual_clipfrac`` (the dual bound was active).
     """
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
     log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    per_token = torch.maximum(unclipped, clipped)
+    dual = None
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, bound), per_token)
+    loss = masked_mean(per_token, mask)
 
     with torch.no_grad():
         stats = {
@@ -310,6 +343,8 @@ def ppo_clipped_policy_loss(
             "approx_kl": masked_mean(old_logprobs - logprobs, mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
         }
+        if dual is not None:
+            stats["dual_clipfrac"] = masked_mean(dual.to(ratio.dtype), mask).item()
     return loss, stats
 
 

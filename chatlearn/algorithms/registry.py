@@ -17,6 +17,7 @@ loss and a value loss, and because each kind has its own call contract:
 * value loss: ``fn(values, old_values, returns, mask, **hparams) -> (loss, stats)``
 * rollout correction: ``fn(proximal_logprobs, behaviour_logprobs, mask, *, cap) -> (weights, stats)``, the
   per-token importance weights of samples another policy generated (see :mod:`chatlearn.algorithms.off_policy`)
+* KL estimator: ``fn(logprobs, ref_logprobs) -> [B, T]`` (see :mod:`chatlearn.algorithms.kl`)
 """
 
 from collections.abc import Callable
@@ -31,6 +32,12 @@ ADVANTAGE_ESTIMATOR_INPUTS: dict[str, tuple[str, ...]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 VALUE_LOSSES: dict[str, Callable[..., Any]] = {}
 ROLLOUT_CORRECTIONS: dict[str, Callable[..., Any]] = {}
+KL_ESTIMATORS: dict[str, Callable[..., Any]] = {}
+# the reward's settings each estimator reads (kl_coef, kl_estimator, gamma, lam): a setting given for an
+# estimator that does not read it is a config error, never ignored
+ADVANTAGE_ESTIMATOR_SETTINGS: dict[str, tuple[str, ...]] = {}
+# the estimators whose advantages the trainer whitens over each global batch (REINFORCE++)
+WHITENED_ESTIMATORS: set[str] = set()
 
 
 def _register(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
@@ -64,14 +71,20 @@ def _get(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Calla
         raise KeyError(f"Unknown {kind} {name!r}; known: {sorted(registry)}") from None
 
 
-def register_advantage_estimator(name: str, inputs: tuple[str, ...] = ()) -> Callable[[F], F]:
+def register_advantage_estimator(name: str, inputs: tuple[str, ...] = (), settings: tuple[str, ...] = (),
+                                 whiten: bool = False) -> Callable[[F], F]:
     """Decorator: register an advantage estimator ``fn(batch, args) -> dict`` that reads ``inputs`` (batch
-    fields besides ``scores``) and returns the fields it adds, ``advantages`` among them."""
+    fields besides ``scores``; with a reward KL penalty also ``logprobs`` and ``ref_logprobs``) and the reward's
+    ``settings``, and returns the fields it adds, ``advantages`` among them; ``whiten``: the trainer whitens its
+    advantages over each global batch."""
     register = _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
     def decorator(fn: F) -> F:
         register(fn)
         ADVANTAGE_ESTIMATOR_INPUTS[name] = tuple(inputs)
+        ADVANTAGE_ESTIMATOR_SETTINGS[name] = tuple(settings)
+        if whiten:
+            WHITENED_ESTIMATORS.add(name)
         return fn
 
     return decorator
@@ -98,6 +111,12 @@ def advantage_estimator_inputs(name: str) -> tuple[str, ...]:
     return ADVANTAGE_ESTIMATOR_INPUTS.get(name, ())
 
 
+def advantage_estimator_settings(name: str) -> tuple[str, ...]:
+    """The reward settings the estimator registered as ``name`` reads (``ADVANTAGE_ESTIMATOR_SETTINGS``)."""
+    get_advantage_estimator(name)
+    return ADVANTAGE_ESTIMATOR_SETTINGS.get(name, ())
+
+
 def get_policy_loss(name: str) -> Callable[..., Any]:
     """Return the policy loss registered as ``name``; ``KeyError`` lists the known names."""
     return _get(POLICY_LOSSES, "policy loss", name)
@@ -116,3 +135,13 @@ def register_rollout_correction(name: str) -> Callable[[F], F]:
 def get_rollout_correction(name: str) -> Callable[..., Any]:
     """Return the rollout correction registered as ``name``; ``KeyError`` lists the known names."""
     return _get(ROLLOUT_CORRECTIONS, "rollout correction", name)
+
+
+def register_kl_estimator(name: str) -> Callable[[F], F]:
+    """Decorator: register a per-token KL estimator ``fn(logprobs, ref_logprobs) -> [B, T]``."""
+    return _register(KL_ESTIMATORS, "KL estimator", name)
+
+
+def get_kl_estimator(name: str) -> Callable[..., Any]:
+    """Return the KL estimator registered as ``name``; ``KeyError`` lists the known names."""
+    return _get(KL_ESTIMATORS, "KL estimator", name)

@@ -76,11 +76,12 @@ class EngineChecks:
         problems += _packing(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _old_logprobs(cfg, name)
         problems += _rollout_engine(cfg, [r for r in roles if r in cfg.models], self.modules, name)
-        problems += _critic_free_reward_args(cfg, name)
+        problems += _reward_settings(cfg, name, spec, self.modules)
         problems += _advantage_estimator(cfg, name, spec, self.modules)
         problems += _sync_frequency(cfg, spec)
         problems += _pipelined(cfg, name, spec)
         problems += _partial_rollout(cfg, name, spec, self.modules)
+        problems += _dynamic_sampling(cfg, name, spec, self.modules)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
         return problems
@@ -312,6 +313,36 @@ def _pipelined(cfg: ChatLearnConfig, engine: str, spec: EngineSpec) -> list[str]
     return problems
 
 
+def _dynamic_sampling(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
+    """``runtime.dynamic_sampling`` drops the prompt groups whose responses all score the same: it needs prompt
+    groups, an episode that trains however many it kept (``dynamic`` loader), and one episode's generation at a
+    time (not pipelined, not partial rollouts: they are not supported together yet)."""
+    rt = cfg.runtime
+    if not rt.dynamic_sampling:
+        if "max_sampling_rounds" in rt.model_fields_set:
+            return ["runtime.max_sampling_rounds: only used with runtime.dynamic_sampling: true; remove it"]
+        return []
+    problems = []
+    if not (spec.groups or group_size(cfg) > 1):
+        problems.append("runtime.dynamic_sampling: drops prompt groups whose responses all score the same, but "
+                        f"the {engine!r} engine samples one response per prompt; set models.policy.args_dict."
+                        "num_inference_per_prompt to 2 or more, or dynamic_sampling to false")
+    if not spec.trains or "reward" not in spec.roles:
+        problems.append(f"runtime.dynamic_sampling: the {engine!r} engine scores no generated responses; set it to "
+                        "false")
+    if rt.stream_data_loader_type != "dynamic":
+        problems.append(f"runtime.stream_data_loader_type: {rt.stream_data_loader_type!r} trains exactly "
+                        "sample_per_episode samples, but with dynamic_sampling an episode whose rounds ran out trains "
+                        "the groups it kept; set it to 'dynamic'")
+    if rt.max_staleness > 0:
+        problems.append("runtime.dynamic_sampling with runtime.max_staleness > 0 is not supported yet (a pipelined "
+                        "episode's prompts are fixed before it generates); set one of them to its default")
+    if rt.use_partial_rollout:
+        problems.append("runtime.dynamic_sampling with runtime.use_partial_rollout is not supported yet; set one "
+                        "of them to false")
+    return problems
+
+
 def _partial_rollout(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
     """``runtime.use_partial_rollout``: the policy (synced from the trainer every episode, as a pipelined run's)
     continues responses over several episodes (``continues_responses`` on its module class), each round's token
@@ -506,18 +537,45 @@ def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
     return problems
 
 
-PPO_REWARD_KEYS = ("kl_coef", "gamma", "lam")
+# the reward's experience settings; each advantage estimator reads some (ADVANTAGE_ESTIMATOR_SETTINGS)
+REWARD_SETTINGS = ("kl_coef", "kl_estimator", "gamma", "lam")
 
 
-def _critic_free_reward_args(cfg: ChatLearnConfig, engine: str) -> list[str]:
-    """The reward's PPO experience settings (KL penalty in the reward, GAE) do nothing without a critic."""
-    if engine not in ("grpo", "online_dpo") or "reward" not in cfg.models:
+def _reward_settings(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
+    """The reward's experience settings do what the advantage estimator says or are refused: a setting it does
+    not read (GAE's lam under GRPO), a KL penalty with no reference to take it against, and an estimator whose
+    advantages the trainer must whiten over the global batch (REINFORCE++) with the trainer's whitening off. The
+    reward's module class knows the estimators (``estimator_settings``, ``estimator_whitened``)."""
+    if "reward" not in cfg.models:
         return []
-    given = [k for k in PPO_REWARD_KEYS if k in (cfg.models["reward"].args_dict or {})]
-    where = ("the KL term is models.ppo_policy.args_dict.kl_coef" if engine == "grpo"
-             else "online DPO compares the policy to the reference in its loss")
-    return [f"models.reward.args_dict.{k}: PPO's reward setting has no effect in the {engine} engine (no critic, no "
-            f"GAE; {where}); remove it" for k in given]
+    cls = _module_class("reward", cfg, modules, engine)
+    settings_of = getattr(cls, "estimator_settings", None)
+    given = (cfg.models["reward"].args_dict or {}).get("advantage_estimator")
+    name = given if given is not None else spec.advantage_estimator
+    reads = settings_of(name) if settings_of is not None and isinstance(name, str) else None
+    if reads is None:
+        return []  # a reward of one's own, or a name its args_schema refuses
+    reward, problems = cfg.models["reward"].args_dict or {}, []
+    for key in REWARD_SETTINGS:
+        if key in reward and key not in reads:
+            hint = (" (the KL loss term is models.ppo_policy.args_dict.kl_coef)"
+                    if key.startswith("kl_") and engine == "grpo" else "")
+            problems.append(f"models.reward.args_dict.{key}: the advantage estimator {name!r} does not use it "
+                            f"(it reads {list(reads) or 'none of ' + str(list(REWARD_SETTINGS))}){hint}; remove it")
+    kl = reward.get("kl_coef")
+    if "kl_coef" in reads and isinstance(kl, int | float) and kl > 0 and "reference" not in cfg.models:
+        problems.append(f"models.reward.args_dict.kl_coef: {kl} penalises the KL to the reference; add "
+                        "models.reference or set kl_coef to 0")
+    limit = reward.get("max_response_length")
+    if reward.get("overlong_buffer_len") and "policy" in cfg.models and limit != max_new_tokens(cfg):
+        problems.append(f"models.reward.args_dict.max_response_length: {limit} is not the policy's max_new_tokens "
+                        f"({max_new_tokens(cfg)}), the length the overlong penalty counts to")
+    trainer = (cfg.models["ppo_policy"].args_dict or {}) if "ppo_policy" in cfg.models else None
+    if cls.estimator_whitened(name) and trainer is not None and engine != "rlhf" \
+            and not trainer.get("whiten_advantages", False):
+        problems.append(f"models.ppo_policy.args_dict.whiten_advantages: the advantage estimator {name!r} is "
+                        "whitened over each global batch by the trainer; set it to true")
+    return problems
 
 
 # the batch fields an advantage estimator may read (chatlearn.algorithms.registry.ADVANTAGE_ESTIMATOR_INPUTS),

@@ -196,6 +196,16 @@ class RuntimeConfig(Section):
         "tokens in round i; an unfinished one is continued in the next episode on the newer weights, and a "
         "prompt's group trains once all its responses are finished. Needs stream_data_loader_type: dynamic",
     )
+    dynamic_sampling: bool = Field(
+        default=False, description="DAPO's dynamic sampling: drop the prompt groups whose responses all score the "
+        "same (no advantage, no learning signal) and generate the stream's next prompts until sample_per_episode "
+        "samples are kept or max_sampling_rounds rounds ran; needs prompt groups and stream_data_loader_type: "
+        "dynamic (an episode whose rounds ran out trains what it kept)",
+    )
+    max_sampling_rounds: int = Field(
+        default=3, ge=1, description="with dynamic_sampling: the most generation rounds of one episode, the first "
+        "included (verl's max_num_gen_batches); each round one episode's worth of prompts",
+    )
     partial_rollout_manager_config: PartialRolloutConfig = Field(
         default_factory=lambda: PartialRolloutConfig(),
         description="partial rollouts' max_rollout_round, rollout_ratio, mini_response_per_prompt (ChatLearn HEAD)",

@@ -1,9 +1,11 @@
-"""GRPO/GSPO policy trainer: ChatLearn HEAD's token-level clipped loss over group-normalised advantages.
+"""The critic-free policy trainer (GRPO, GSPO, CISPO; over the advantages of grpo, dr_grpo, rloo, REINFORCE++).
 
 One `train_step` is one optimizer step over the micro-batches of a global batch (the shared trainer loop,
-:mod:`chatlearn.models.hf.trainer`). Each micro-batch's loss is summed over its response tokens and divided by
-the response tokens of the whole global batch (ChatLearn's per-token normalisation, the ``token-mean``
-aggregation's total), so the micro-batch gradients simply add up to the global batch's.
+:mod:`chatlearn.models.hf.trainer`). Each micro-batch's loss is aggregated as ``loss_agg_mode`` over the units of
+the whole global batch (``token-mean``, the default and ChatLearn's: summed over its response tokens and divided
+by the global batch's; the sequence-mean modes: by its sequences, :func:`~chatlearn.algorithms.aggregation.
+aggregate_loss`), so the micro-batch gradients simply add up to the global batch's. The KL loss term
+(``kl_coef``, ``kl_estimator``) and the entropy bonus are aggregated the same way.
 
 Old log-probs (the ratio's denominator) are, by `old_logprobs`:
 * ``generation``: the policy's own log-probs of what it sampled. They are the trainer's log-probs too when the
@@ -25,23 +27,42 @@ against the proximal policy (``trainer``) and weighs each token by proximal / be
 from typing import Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from chatlearn.algorithms import ROLLOUT_CORRECTIONS, get_policy_loss, get_rollout_correction, masked_sum
-from chatlearn.algorithms.grpo import k3_kl
+from chatlearn.algorithms import (
+    ROLLOUT_CORRECTIONS,
+    get_kl_estimator,
+    get_policy_loss,
+    get_rollout_correction,
+    whiten_global_batch,
+)
+from chatlearn.algorithms.aggregation import aggregate_loss
 from chatlearn.data.batch import collate_samples
 from chatlearn.models.hf.common import ResponseTokens, response_logprobs
 from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs
 
 
 class GRPOPolicyArgs(OptimArgs):
-    policy_loss: Literal["grpo", "gspo"] = Field(
-        "grpo", description="grpo: token-level ratio; gspo: one ratio per sequence (mean token log-ratio)")
+    policy_loss: Literal["grpo", "gspo", "cispo"] = Field(
+        "grpo", description="grpo: token-level ratio; gspo: one ratio per sequence (mean token log-ratio); "
+        "cispo: the clipped ratio as a constant weight of the REINFORCE term (no token's gradient is zeroed)")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        Field("token-mean", description="how the per-token loss becomes the batch's: over all response tokens "
+              "(ChatLearn's, DAPO's), each sequence's token sum or token mean averaged over sequences, or the token "
+              "sum over sequences divided by the constant loss_scale_factor (Dr.GRPO)"))
+    loss_scale_factor: float | None = Field(
+        None, gt=0, description="the constant normaliser of seq-mean-token-sum-norm (Dr.GRPO: the generation "
+        "budget, max_new_tokens); only with that mode")
     pos_clip_ratio: float = Field(0.2, ge=0, description="upper clip of the ratio, 1 + this (clip-higher)")
     neg_clip_ratio: float = Field(0.2, ge=0, le=1, description="lower clip of the ratio, 1 - this")
     diff_clip_ratio: float = Field(10.0, gt=0, description="upper bound of the log-ratio before exp")
     final_clip_ratio: float = Field(3.0, gt=0, description="upper bound of the per-token loss (dual clip)")
-    kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL to the reference (needs models.reference)")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL loss term to the reference (needs "
+                           "models.reference; verl's use_kl_loss / kl_loss_coef)")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="the KL loss term's per-token estimator (chatlearn.algorithms.kl; verl's kl_loss_type)")
+    whiten_advantages: bool = Field(
+        False, description="whiten the advantages over each global batch (REINFORCE++'s estimators need it)")
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
     old_logprobs: Literal["generation", "trainer", "current"] = Field(
         "generation", description="old log-probs from the sampler (same weights), the trainer's own forward pass "
@@ -62,13 +83,31 @@ class GRPOPolicyArgs(OptimArgs):
             raise ValueError(f"unknown rollout correction {value!r}; known: none, {known}")
         return value
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "GRPOPolicyArgs":
+        # a setting that would do nothing is refused, never ignored
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
+            raise ValueError("loss_agg_mode: seq-mean-token-sum-norm divides by a constant: set loss_scale_factor "
+                             "(Dr.GRPO uses the generation budget, the policy's max_new_tokens)")
+        if self.loss_agg_mode != "seq-mean-token-sum-norm" and self.loss_scale_factor is not None:
+            raise ValueError(f"loss_scale_factor is only used by loss_agg_mode: seq-mean-token-sum-norm (it is "
+                             f"{self.loss_agg_mode})")
+        if self.policy_loss == "cispo":
+            unused = sorted({"diff_clip_ratio", "final_clip_ratio"} & self.model_fields_set)
+            if unused:
+                raise ValueError(f"{', '.join(unused)}: not used by policy_loss: cispo (it weighs every token by its "
+                                 "ratio clipped to [1 - neg_clip_ratio, 1 + pos_clip_ratio]); remove it")
+        if "kl_estimator" in self.model_fields_set and self.kl_coef == 0:
+            raise ValueError("kl_estimator: the KL loss term is off (kl_coef is 0); set kl_coef or remove it")
+        return self
+
 # the loss statistics, each a mean over the micro-batch's valid tokens, weighted by its share of the tokens
 _CLIP_STATS = ("clipfrac", "pos_clipfrac", "neg_clipfrac", "final_clipfrac", "approx_kl")
 
 
 class GRPOPolicyTrainer(CausalLMTrainer):
-    """ppo_policy of the GRPO engine: the registered ``grpo``/``gspo`` loss, plus the optional k3 KL to the
-    reference and entropy bonus, each summed over the tokens and divided by the global batch's tokens."""
+    """ppo_policy of the GRPO engine: the registered ``grpo``/``gspo``/``cispo`` loss, plus the optional KL to
+    the reference and entropy bonus, each aggregated as ``loss_agg_mode`` over the global batch."""
 
     args_schema = GRPOPolicyArgs
 
@@ -77,6 +116,25 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         self.loss_fn = get_policy_loss(self.args.policy_loss)
         a = self.args
         self.correction = None if a.rollout_correction == "none" else get_rollout_correction(a.rollout_correction)
+        self.kl_fn = get_kl_estimator(a.kl_estimator)
+        clips = {"pos_clip_ratio": a.pos_clip_ratio, "neg_clip_ratio": a.neg_clip_ratio}
+        if a.policy_loss != "cispo":
+            clips.update(diff_clip_ratio=a.diff_clip_ratio, final_clip_ratio=a.final_clip_ratio)
+        self.loss_kwargs = {**clips, "loss_agg_mode": a.loss_agg_mode, "loss_scale_factor": a.loss_scale_factor}
+
+    @property
+    def aggregation(self) -> str:  # the units of the global batch the loss is averaged over
+        return self.args.loss_agg_mode
+
+    def prepare(self, data_list: list[dict]) -> None:
+        if not self.args.whiten_advantages:
+            return
+        # one mean/std over the whole global batch's response tokens (REINFORCE++), per-sequence ones broadcast
+        masks = [mb["response_mask"] for mb in data_list]
+        advs = [mb["advantages"] if mb["advantages"].dim() == 2 else mb["advantages"][:, None] * m
+                for mb, m in zip(data_list, masks, strict=True)]
+        for mb, adv in zip(data_list, whiten_global_batch(advs, masks), strict=True):
+            mb["advantages"] = adv
 
     def correction_weights(self, data: dict) -> tuple[torch.Tensor | None, dict[str, float]]:
         """The rollout correction's weights of a batch: the proximal log-probs (the trainer's, from the score
@@ -113,7 +171,7 @@ class GRPOPolicyTrainer(CausalLMTrainer):
 
     def loss(self, mb: dict, out: ResponseTokens, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.args
-        total = self.batch_mean.total  # the loss divides by the global batch's tokens itself; w weighs the stats
+        total = self.batch_mean.total  # the loss divides by the global batch's units itself; w weighs the stats
         mask = mb["response_mask"].to(self.device)
         logprobs = out.logprobs
         if a.old_logprobs == "current":  # on-policy: the weights before this episode's only step
@@ -121,17 +179,20 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         else:
             old = (mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]).to(self.device)
         weights, _ = self.correction_weights(mb)
-        loss, st = self.loss_fn(logprobs, old, mb["advantages"].to(self.device), mask,
-                                pos_clip_ratio=a.pos_clip_ratio, neg_clip_ratio=a.neg_clip_ratio,
-                                diff_clip_ratio=a.diff_clip_ratio, final_clip_ratio=a.final_clip_ratio,
-                                total_tokens=total, token_weights=None if weights is None else weights.to(self.device))
+        loss, st = self.loss_fn(logprobs, old, mb["advantages"].to(self.device), mask, total=total,
+                                token_weights=None if weights is None else weights.to(self.device),
+                                **self.loss_kwargs)
         part = {"policy_loss": float(loss.detach()) * on}
+
+        def aggregated(per_token: torch.Tensor) -> torch.Tensor:
+            return aggregate_loss(per_token, mask, a.loss_agg_mode, total, a.loss_scale_factor)
+
         if a.kl_coef > 0:
-            kl = masked_sum(k3_kl(logprobs, mb["ref_logprobs"].to(self.device)), mask) / total
+            kl = aggregated(self.kl_fn(logprobs, mb["ref_logprobs"].to(self.device)))
             loss = loss + a.kl_coef * kl
             part["kl_loss"] = float(kl.detach()) * on
         if a.entropy_coef > 0:
-            ent = masked_sum(out.entropy, mask) / total
+            ent = aggregated(out.entropy)
             loss = loss - a.entropy_coef * ent
             part["entropy"] = float(ent.detach()) * on
         for k in _CLIP_STATS:

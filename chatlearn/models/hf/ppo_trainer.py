@@ -18,6 +18,9 @@ from chatlearn.models.hf.value import ValueArgs, ValueNetwork
 
 class PPOPolicyArgs(OptimArgs):
     cliprange: float = Field(0.2, gt=0, description="PPO ratio clip")
+    clip_ratio_c: float | None = Field(
+        None, gt=1, description="dual clip: for a negative advantage the per-token loss is at most -A * this "
+        "(verl's clip_ratio_c, 3.0 there); None: plain PPO clip")
     policy_loss: str = Field("ppo_clip", description="registered policy loss")
     whiten_advantages: bool = Field(True, description="whiten advantages over each global batch")
 
@@ -45,14 +48,15 @@ class PPOPolicyTrainer(CausalLMTrainer):
                 mb["advantages"] = adv
 
     def stat_keys(self) -> tuple[str, ...]:
-        return ("policy_loss", "clipfrac", "approx_kl")
+        return ("policy_loss", "clipfrac", "approx_kl", *(("dual_clipfrac",) if self.args.clip_ratio_c else ()))
 
     def loss(self, mb: dict, out: ResponseTokens, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"].to(self.device)
+        dual = {} if self.args.clip_ratio_c is None else {"clip_ratio_c": self.args.clip_ratio_c}
         loss, st = self.loss_fn(out.logprobs, mb["logprobs"].to(self.device), mb["advantages"].to(self.device),
-                                mask, cliprange=self.args.cliprange)
-        return loss * w, {"policy_loss": float(loss.detach()) * w, "clipfrac": st["clipfrac"] * w,
-                          "approx_kl": st["approx_kl"] * w}
+                                mask, cliprange=self.args.cliprange, **dual)
+        return loss * w, {k: v * w for k, v in {"policy_loss": float(loss.detach()), **st}.items()
+                          if k in self.stat_keys()}
 
 
 class PPOValueTrainer(Trainer):

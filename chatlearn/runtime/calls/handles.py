@@ -81,6 +81,8 @@ class RunHandle(BaseModel):
     param_sync_max_workers: int | None = None
     stage_timeout_s: float | None = Field(None, description="runtime.stage_timeout_s (chatlearn.runtime.calls.waiting)")
     max_staleness: int = Field(0, description="runtime.max_staleness (pipelined episodes)")
+    sampling_rounds: int = Field(1, description="the most generation rounds of an episode: runtime."
+                                 "max_sampling_rounds with dynamic_sampling, else 1")
     # pipelined episodes: the policy's weights by version (chatlearn.runtime.weights.versions), in the driver
     versions: Any = Field(None, exclude=True)
     # partial rollouts: the responses in flight by episode (chatlearn.data.partial_rollout), in the driver

@@ -232,6 +232,7 @@ def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, pre
         sync_routes=sync_routes_of(cfg, eng, workers),
         concurrent_comm=rt.concurrent_comm, param_sync_max_workers=rt.param_sync_max_workers,
         stage_timeout_s=rt.stage_timeout_s, steps=dict(eng.steps), max_staleness=rt.max_staleness,
+        sampling_rounds=rt.max_sampling_rounds if rt.dynamic_sampling else 1,
     )
 
 

@@ -16,6 +16,7 @@ import ray
 
 from chatlearn.config import RuntimeConfig
 from chatlearn.data.batch import merge_batches, split_batch
+from chatlearn.data.dynamic_sampling import informative_groups, keep_informative
 from chatlearn.data.relay import RelayBuffer, load_hook
 from chatlearn.data.stream import episode_training_samples
 from chatlearn.runtime.calls.waiting import fetch
@@ -33,6 +34,8 @@ def experience_stats(samples: list[dict[str, Any]]) -> dict[str, float]:
     if len(named) > 1:  # several rewards combined: each one's mean under its model name
         for key in named:
             stats[f"{key}_mean"] = sum(float(s[key]) for s in samples) / len(samples)
+    if "overlong_penalty" in samples[0]:  # DAPO's overlong shaping, part of reward_mean
+        stats["overlong_penalty_mean"] = sum(float(s["overlong_penalty"]) for s in samples) / len(samples)
     if "kl" in samples[0]:
         stats["kl_mean"] = sum(float(s["kl"].sum()) for s in samples) / len(samples)
     if "response_mask" in samples[0]:
@@ -54,11 +57,23 @@ class StreamDataset:
         batch's parts (the outputs of the environment flow's returned calls, merged)."""
         timeout = self.rt.stage_timeout_s
         produced = [s for parts in batches for s in split_batch(merge_batches(*[fetch(p, timeout) for p in parts]))]
+        filtered = {}
+        if self.rt.dynamic_sampling:  # every response generated is reported; the informative groups train
+            generated = experience_stats(produced)
+            produced, dropped = keep_informative(produced, self.rt.sample_per_episode)
+            filtered = {**generated, "filtered_groups": dropped}
         own, samples = episode_training_samples(produced, episode, self.relay, self.rt.stream_data_loader_type,
                                                 self.rt.sample_per_episode)
         stats = experience_stats(own)
+        stats.update(filtered)
         stats.update(num_samples=len(samples), relay_episodes=len(self.relay.episodes))
         return stats, packed(samples)  # tensors as arrays: each trainer's get is cheap
+
+    def informative_samples(self, batches: list[list[Any]]) -> int:
+        """Dynamic sampling: how many samples of these scored batches are in groups the reward tells apart."""
+        timeout = self.rt.stage_timeout_s
+        produced = [s for parts in batches for s in split_batch(merge_batches(*[fetch(p, timeout) for p in parts]))]
+        return sum(len(g) for g in informative_groups(produced)[0])
 
     def save_relay(self, directory: str) -> str | None:
         if not self.relay.enabled:
