@@ -120,6 +120,11 @@ RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.arg
                          "models.policy.args_dict.max_new_tokens=12", "models.reference.packing=true",
                          "models.ppo_policy.packing=true", "models.ppo_policy.max_token_in_packing=48",
                          "runtime.use_partial_rollout=true", "runtime.stream_data_loader_type=dynamic"],
+                # issue 27's dynamic sampling: one-token answers (the overlong penalty the same for all) in groups
+                # of 4, so groups all wrong are common: each episode generates a second round of prompts
+                "dapo": ["models.policy.args_dict.max_new_tokens=1", "models.reward.args_dict.max_response_length=1",
+                         "models.reward.args_dict.overlong_buffer_len=1",
+                         "models.policy.args_dict.num_inference_per_prompt=4"],
                 # three episodes, so a later one generates while the killed one trains; longer responses than
                 # the shipped 2 tokens, so generation takes long enough for the overlap to show
                 "grpo_async": ["runtime.num_episode=3", "models.policy.args_dict.max_new_tokens=12"]}
@@ -150,12 +155,13 @@ def train_here(config, out, exp, tiny_model_dir, monkeypatch):
                       overrides=[*RESUME_ARGS, *RESUME_EXTRA.get(config, []), f"runtime.exp_name={exp}"])
 
 
-@pytest.mark.parametrize("config", ["grpo", "dpo", "online_dpo"])
+@pytest.mark.parametrize("config", ["grpo", "dpo", "online_dpo", "dapo"])
 def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session, tiny_model_dir, tmp_path,
                                                monkeypatch, capsys):
     """A `chatlearn train` process killed while episode 2 trains, then the same run again: the uninterrupted
-    run's final policy and rows, bit for bit (GRPO: with continuous batching and packing; online DPO with LoRA:
-    the adapters, the base check and the merged export resume too). The reference and the re-run run here, on
+    run's final policy and rows, bit for bit (GRPO: with continuous batching, packing and partial rollouts; online
+    DPO with LoRA: the adapters, the base check and the merged export resume too; DAPO: with dynamic sampling's
+    extra rounds of prompts). The reference and the re-run run here, on
     the session's Ray (a re-run in a new process of its own: tests/test_resume.py); the killed run is a process
     of its own, SIGKILLed."""
     timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths",
@@ -167,6 +173,11 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
         assert second["round_1_samples"] == first["partial_unfinished"]
         assert second["partial_released"] == second["num_samples"] > 0
         assert second["staleness_max"] == 1.0 and 0 < second["staleness_token_mean"] < 1
+    if config == "dapo":  # the groups all scored the same are dropped, the stream's next prompts fill the episode
+        first, second = rows_of(tmp_path / "ref")
+        assert first["dynamic_sampling_rounds"] == 2 and first["filtered_groups"] > 0
+        assert first["consumed_samples"] == 64 and first["num_samples"] == 32
+        assert second["consumed_samples"] == 64 + 32 * second["dynamic_sampling_rounds"]
     killed = train_engine(config, tmp_path, "killed", tiny_model_dir, crash="after_generate:1")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     capsys.readouterr()
