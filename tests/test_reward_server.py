@@ -151,6 +151,32 @@ def test_remote_scores_equal_the_in_process_reward_models(server, reward_model):
         assert json.loads(response.read()) == {"status": "ok", "model": reward_model, "batch_size": SERVER_BATCH}
 
 
+def test_a_rule_and_a_served_model_reward_combine_by_weight_each_kept_by_name(server):
+    """GRPOMath / an engine of one's own: the rule reward's inputs hold the served model reward's scores (its
+    score_step, over HTTP); it trains on 1.0 * its own + 0.25 * the model's, as group advantages, and keeps each
+    reward's scores under its name (the episode logs rewards/<name>_mean)."""
+    from chatlearn.algorithms.grpo import group_advantages_by_id
+    from chatlearn.models.hf.reward import RuleReward
+
+    rm = ModelReward("rm")
+    rm.bind(ModelConfig(num_cpu=1, args_dict={"remote_url": server.url}), RuntimeConfig(), 0, seed=7)
+    rm.setup()
+    rule = RuleReward("reward")
+    rule.bind(ModelConfig(num_cpu=1, args_dict={"reward_fn": "chatlearn.tasks.max_digit:max_digit_reward",
+                                                "advantage_estimator": "grpo", "reward_weights": {"rm": 0.25}}),
+              RuntimeConfig(engine="grpo_math"), 0, seed=7)
+    rule.setup()
+    data = {**batch(8), "answer": [str(max(int(c) for c in p if c.isdigit())) for p in PROMPTS[:8]],
+            "group_id": [0, 0, 0, 0, 1, 1, 1, 1]}
+    model_scores = rm.score_step(data)["rewards/rm"]
+    out = rule.forward_step({**data, "rewards/rm": model_scores}, 0)
+    own = out["rewards/reward"]
+    assert torch.allclose(out["scores"], own + 0.25 * model_scores, atol=1e-6)
+    assert model_scores.std() > 0 and not torch.equal(out["scores"], own)
+    expected = group_advantages_by_id(own + 0.25 * model_scores, data["group_id"])
+    assert torch.allclose(out["advantages"], expected, atol=1e-5)
+
+
 def test_a_malformed_request_gets_a_400_and_the_server_keeps_serving(server):
     cases = [
         (b"not json", "the body is not JSON"),
