@@ -25,12 +25,11 @@ so, and the config checks require the trainer's ``whiten_advantages``): the rewa
 the trainer the global batch the whitening is defined over.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from chatlearn.algorithms.grpo import group_advantages_by_id
+from chatlearn.algorithms.grpo import by_group, group_advantages_by_id
 from chatlearn.algorithms.ppo import discounted_returns, gae_advantages_and_returns, outcome_rewards
 from chatlearn.algorithms.registry import get_kl_estimator, register_advantage_estimator
 
@@ -61,28 +60,6 @@ def _reported_kl(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     if "ref_logprobs" in batch and "logprobs" in batch:
         return {"kl": (batch["logprobs"] - batch["ref_logprobs"]) * batch["response_mask"]}
     return {}
-
-
-def by_group(scores: torch.Tensor, group_ids: list[int], fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``fn`` on the scores laid out as ``[groups, n]`` (every group whole and of one size, else a ValueError
-    naming the group that is not), the result put back in the batch's order."""
-    if scores.dim() != 1 or scores.shape[0] != len(group_ids):
-        raise ValueError(f"scores {tuple(scores.shape)} and {len(group_ids)} group ids do not match")
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        members.setdefault(int(g), []).append(i)
-    sizes = {len(m) for m in members.values()}
-    if len(sizes) != 1:
-        small = min(members, key=lambda g: len(members[g]))
-        raise ValueError(f"prompt groups of unequal size {sorted(sizes)} (group {small} has "
-                         f"{len(members[small])} responses): a batch must hold whole groups")
-    order = [i for m in members.values() for i in m]
-    with torch.no_grad():
-        r = scores if scores.is_floating_point() else scores.float()
-        grouped = fn(r[order].view(len(members), sizes.pop()))
-    out = torch.empty_like(grouped.reshape(-1))
-    out[order] = grouped.reshape(-1)
-    return out
 
 
 def _centred(grouped: torch.Tensor) -> torch.Tensor:

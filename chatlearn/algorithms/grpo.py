@@ -25,6 +25,8 @@ The policy losses are registered here (``"grpo"``, ``"gspo"``, ``"cispo"``); the
 (:func:`group_advantages_by_id` on a scored batch) in :mod:`chatlearn.algorithms.advantages`.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -107,14 +109,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-5) 
     return adv.reshape(-1)
 
 
-def group_advantages_by_id(rewards: torch.Tensor, group_ids: list[int], eps: float = 1e-5) -> torch.Tensor:
-    """:func:`group_advantages` for responses labelled by prompt group instead of laid out in order.
-
-    Every group must be whole and all groups the same size (a batch that cut a group would normalise it
-    against only part of its responses, silently): a ``ValueError`` names the group that is not.
-    """
-    if rewards.dim() != 1 or rewards.shape[0] != len(group_ids):
-        raise ValueError(f"rewards {tuple(rewards.shape)} and {len(group_ids)} group ids do not match")
+def by_group(scores: torch.Tensor, group_ids: list[int], fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn`` on the scores of responses labelled by prompt group, laid out as ``[groups, n]``, the result put
+    back in the batch's order. Every group must be whole and all groups the same size (a batch that cut a group
+    would normalise it against only part of its responses, silently): a ``ValueError`` names the group that is
+    not. Computed without gradient: advantages are targets."""
+    if scores.dim() != 1 or scores.shape[0] != len(group_ids):
+        raise ValueError(f"rewards {tuple(scores.shape)} and {len(group_ids)} group ids do not match")
     members: dict[int, list[int]] = {}
     for i, g in enumerate(group_ids):
         members.setdefault(int(g), []).append(i)
@@ -124,10 +125,18 @@ def group_advantages_by_id(rewards: torch.Tensor, group_ids: list[int], eps: flo
         raise ValueError(f"prompt groups of unequal size {sorted(sizes)} (group {small} has "
                          f"{len(members[small])} responses): a batch must hold whole groups")
     order = [i for m in members.values() for i in m]
-    adv_in_order = group_advantages(rewards[order], sizes.pop(), eps)
-    out = torch.empty_like(adv_in_order)
-    out[order] = adv_in_order
+    with torch.no_grad():
+        r = scores if scores.is_floating_point() else scores.float()
+        grouped = fn(r[order].view(len(members), sizes.pop())).reshape(-1)
+    out = torch.empty_like(grouped)
+    out[order] = grouped
     return out
+
+
+def group_advantages_by_id(rewards: torch.Tensor, group_ids: list[int], eps: float = 1e-5) -> torch.Tensor:
+    """:func:`group_advantages` for responses labelled by prompt group instead of laid out in order (see
+    :func:`by_group`)."""
+    return by_group(rewards, group_ids, lambda g: group_advantages(g.reshape(-1), g.shape[-1], eps))
 
 
 # --------------------------------------------------------------------------------------
