@@ -2,9 +2,10 @@
 `server`, and `reward-server MODEL_PATH`.
 
 CONFIG is a YAML file, or the name of a config shipped with the package, without a folder: `default` (the
-embedded default, used without CONFIG), `grpo`, `dpo`, `online_dpo` (the repository's `configs/`, so
-`chatlearn train grpo` works from any directory; a file of that name in the current directory wins). Dotted
-overrides after the config win over everything in the files (`runtime.num_episode=3 models.policy.num_cpu=1`).
+embedded default, used without CONFIG), `grpo`, `dpo`, `online_dpo`, `rloo`, `reinforce_pp`, `dapo`, ... (the
+repository's `configs/`, so `chatlearn train grpo` works from any directory; a file of that name in the current
+directory wins). Dotted overrides after the config win over everything in the files (`runtime.num_episode=3
+models.policy.num_cpu=1`).
 `train` and `eval` validate the config and their engine's needs, with every problem listed, before any Prefect
 or Ray resource exists; `config` prints what ChatLearn's loader would resolve (`--check` adds the engine's
 checks); `plan` prints where every model rank would run on a cluster of `--nodes` x `--gpus-per-node` without
@@ -351,8 +352,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="process work pool (created if missing; default: the config's "
                                 "deployment.work_pool, 'chatlearn')")
         p.add_argument("args", nargs="*", metavar="CONFIG|key=value",
-                       help="a YAML file or a packaged config's name (default, grpo, dpo, online_dpo; default: "
-                            "default), then dotted overrides")
+                       help="a YAML file or a packaged config's name (default, grpo, dpo, online_dpo, rloo, "
+                            "reinforce_pp, dapo, ...; default: default), then dotted overrides")
     return parser
 
 
