@@ -18,6 +18,18 @@ def test_overlong_penalty_by_hand():
     torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5]))
 
 
+def test_a_run_form_with_every_default_spelled_out_passes():
+    """A deployment's run form sends every field, defaults included: a default is never "set but unused"."""
+    from chatlearn.config import RuntimeConfig
+    from chatlearn.models.hf.grpo_trainer import GRPOPolicyArgs
+
+    fields = {k: f.default for k, f in PPOExperienceArgs.model_fields.items() if k != "advantage_estimator"}
+    PPOExperienceArgs(**fields)
+    GRPOPolicyArgs(policy_loss="cispo", diff_clip_ratio=10.0, final_clip_ratio=3.0, kl_estimator="k3", kl_coef=0)
+    assert check(f"runtime.max_sampling_rounds={RuntimeConfig.model_fields['max_sampling_rounds'].default}",
+                 "runtime.dynamic_sampling=false", "runtime.stream_data_loader_type=fixed") == []
+
+
 def test_overlong_settings_are_refused_when_they_would_do_nothing():
     PPOExperienceArgs(overlong_buffer_len=2, max_response_length=8)
     with pytest.raises(ValueError, match="needs max_response_length"):
@@ -58,7 +70,8 @@ def test_the_dapo_config_passes_and_its_checks_name_the_field():
     assert check("runtime.stream_data_loader_type=fixed") == [
         "runtime.stream_data_loader_type: 'fixed' trains exactly sample_per_episode samples, but with "
         "dynamic_sampling an episode whose rounds ran out trains the groups it kept; set it to 'dynamic'"]
-    assert check("runtime.dynamic_sampling=false", "runtime.stream_data_loader_type=fixed") == [
+    assert check("runtime.dynamic_sampling=false", "runtime.stream_data_loader_type=fixed") == []
+    assert check("runtime.dynamic_sampling=false", "runtime.max_sampling_rounds=5") == [
         "runtime.max_sampling_rounds: only used with runtime.dynamic_sampling: true; remove it"]
     assert check("runtime.use_partial_rollout=true") == [
         "runtime.dynamic_sampling with runtime.use_partial_rollout is not supported yet; set one of them to false"]

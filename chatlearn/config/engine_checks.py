@@ -319,7 +319,8 @@ def _dynamic_sampling(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modul
     time (not pipelined, not partial rollouts: they are not supported together yet)."""
     rt = cfg.runtime
     if not rt.dynamic_sampling:
-        if "max_sampling_rounds" in rt.model_fields_set:
+        # by value: a deployment's run form sends every field, defaults included
+        if rt.max_sampling_rounds != type(rt).model_fields["max_sampling_rounds"].default:
             return ["runtime.max_sampling_rounds: only used with runtime.dynamic_sampling: true; remove it"]
         return []
     problems = []

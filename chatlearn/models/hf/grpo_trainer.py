@@ -92,12 +92,14 @@ class GRPOPolicyArgs(OptimArgs):
         if self.loss_agg_mode != "seq-mean-token-sum-norm" and self.loss_scale_factor is not None:
             raise ValueError(f"loss_scale_factor is only used by loss_agg_mode: seq-mean-token-sum-norm (it is "
                              f"{self.loss_agg_mode})")
+        # by value, not by which keys were given: a deployment's run form may send the defaults too
+        fields = type(self).model_fields
         if self.policy_loss == "cispo":
-            unused = sorted({"diff_clip_ratio", "final_clip_ratio"} & self.model_fields_set)
+            unused = [k for k in ("diff_clip_ratio", "final_clip_ratio") if getattr(self, k) != fields[k].default]
             if unused:
                 raise ValueError(f"{', '.join(unused)}: not used by policy_loss: cispo (it weighs every token by its "
                                  "ratio clipped to [1 - neg_clip_ratio, 1 + pos_clip_ratio]); remove it")
-        if "kl_estimator" in self.model_fields_set and self.kl_coef == 0:
+        if self.kl_estimator != fields["kl_estimator"].default and self.kl_coef == 0:
             raise ValueError("kl_estimator: the KL loss term is off (kl_coef is 0); set kl_coef or remove it")
         return self
 

@@ -65,8 +65,9 @@ class PPOExperienceArgs(BaseModel):
     def _overlong(self) -> "PPOExperienceArgs":
         if self.overlong_buffer_len and self.max_response_length is None:
             raise ValueError("overlong_buffer_len needs max_response_length (the policy's max_new_tokens)")
-        if not self.overlong_buffer_len and ("max_response_length" in self.model_fields_set
-                                             or "overlong_penalty_factor" in self.model_fields_set):
+        # by value: a deployment's run form may send the defaults too
+        if not self.overlong_buffer_len and (self.max_response_length is not None
+                                             or self.overlong_penalty_factor != 1.0):
             raise ValueError("max_response_length and overlong_penalty_factor shape overlong responses only with "
                              "overlong_buffer_len > 0")
         if self.overlong_buffer_len and self.overlong_buffer_len > self.max_response_length:
