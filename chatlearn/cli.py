@@ -1,5 +1,5 @@
 """`chatlearn` command: `train`, `eval`, `config`, `plan`, `deploy`, `serve`, each `[CONFIG] [key=value ...]`,
-`server`, and `reward-server MODEL_PATH`.
+`server`, `reward-server MODEL_PATH`, and `export RUN_DIR OUT`.
 
 CONFIG is a YAML file, or the name of a config shipped with the package, without a folder: `default` (the
 embedded default, used without CONFIG), `grpo`, `dpo`, `online_dpo`, `rloo`, `reinforce_pp`, `dapo`, ... (the
@@ -14,6 +14,8 @@ starting Ray.
 worker runs, `serve` runs one from this process, `server` keeps the local Prefect server and its UI up.
 `reward-server` serves a reward model over HTTP to the runs that name it in `models.<name>.args_dict.remote_url`
 (`chatlearn.models.hf.reward_server`).
+`export` writes a checkpoint iteration of a run as a Hugging Face model (LoRA merged) or a peft adapter, with a
+model card (`chatlearn.models.hf.export`).
 
 The commands import torch, Ray and Prefect only when they run, so `chatlearn config` answers at once.
 """
@@ -190,6 +192,25 @@ def cmd_reward_server(model_path: str, host: str, port: int, batch_size: int, dt
     return 0
 
 
+def cmd_export(run_dir: str, out: str, iteration: int | None, to: str, model: str | None, force: bool,
+               model_path: str | None) -> int:
+    """`export`: one checkpoint iteration of a run as a Hugging Face model or a peft adapter, with a model card."""
+    # lazy: torch, transformers and peft load only for the commands that run something (see the module docstring)
+    from transformers.utils import logging as hf_logging
+
+    from chatlearn.models.hf.export import export_checkpoint  # lazy, as above
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one line of output, not transformers' loading bars
+    try:
+        export_checkpoint(run_dir, out, iteration=iteration, to=to, model=model, force=force, model_path=model_path,
+                          announce=print)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    return 0
+
+
 def cmd_deploy(items: list[str], how: str, name: str | None, cron: str | None, on_overlap: str | None,
                evaluate: bool, work_pool: str | None) -> int:
     """`deploy`: register on the work pool and exit; `serve`: register and run the deployment here."""
@@ -290,6 +311,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
                       "that address first",
                       "chatlearn reward-server output/my-reward-model --port 8765   # remote_url: "
                       "http://127.0.0.1:8765"),
+    "export": ("write a checkpoint iteration of a run as a Hugging Face model (LoRA merged into the base) or, for "
+               "a LoRA run, as a peft adapter, with the tokenizer and a model card (README.md: the config and that "
+               "iteration's metrics)",
+               "chatlearn export output/online_dpo --iteration 4 --to peft output/online_dpo-iter4-adapter"),
 }
 
 
@@ -320,6 +345,25 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--dtype", default="float32", help="torch dtype of the weights (default float32)")
             p.add_argument("--device", default=None,
                            help="torch device (default: cuda when there is a GPU, else cpu)")
+            continue
+        if name == "export":
+            p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (output_dir/exp_name)")
+            p.add_argument("out", metavar="OUT", help="the directory to write (created; written next to it and "
+                                                      "renamed into place when complete)")
+            p.add_argument("--iteration", type=int, default=None,
+                           help="trainer iteration of the checkpoint (RUN_DIR/checkpoints/MODEL/iter_N; default: "
+                                "the latest)")
+            p.add_argument("--to", choices=["hf", "peft"], default="hf",
+                           help="hf (default): a model AutoModelForCausalLM.from_pretrained loads, a LoRA run's "
+                                "adapters merged; peft: a LoRA run's adapter for PeftModel.from_pretrained(base, OUT)")
+            p.add_argument("--model", default=None,
+                           help="which trained model (default: ppo_policy, the policy trainer, or the run's only "
+                                "checkpointed model)")
+            p.add_argument("--force", action="store_true", help="replace OUT when it exists and is not empty")
+            p.add_argument("--model-path", default=None,
+                           help="the model directory the config.json and tokenizer come from (default: the run's "
+                                "models.MODEL.args_dict.model_path, else RUN_DIR/final/policy); the weights always "
+                                "come from the checkpoint")
             continue
         if name == "plan":
             p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
@@ -375,6 +419,8 @@ def _main(argv: list[str] | None) -> int:
             return cmd_server(ns.host, ns.port)
         if ns.command == "reward-server":
             return cmd_reward_server(ns.model_path, ns.host, ns.port, ns.batch_size, ns.dtype, ns.device)
+        if ns.command == "export":
+            return cmd_export(ns.run_dir, ns.out, ns.iteration, ns.to, ns.model, ns.force, ns.model_path)
         if ns.command in ("deploy", "serve"):
             return cmd_deploy(ns.args, ns.command, ns.name, ns.cron, ns.on_overlap, ns.evaluate,
                               getattr(ns, "work_pool", None))

@@ -170,7 +170,7 @@ def test_train_refuses_a_layout_this_machine_cannot_hold_in_one_line_before_anyt
     assert not (tmp_path / "default").exists()
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "config", "plan", "deploy", "serve", "server"])
+@pytest.mark.parametrize("command", ["train", "eval", "config", "plan", "deploy", "serve", "server", "export"])
 def test_every_command_documents_its_options_and_an_example(command, capsys):
     from chatlearn.cli import _parser
 
