@@ -26,7 +26,7 @@ from chatlearn.runtime.plan import EpisodePlan
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
 from flows.model_calls import unwalked
-from flows.stage_tasks import checkpoint, evaluate, generate, score, sync, train
+from flows.stage_tasks import checkpoint, evaluate, experience_parts, generate, score, sync, train
 
 
 def episode_name(episode: int) -> str:
@@ -106,7 +106,7 @@ def more_rounds(run: RunHandle, episode: int, consumed_samples: int, rollouts: R
     clock = StageClock("score", episode, run.stage_timeout_s)
 
     def informative() -> int:
-        parts = [p for e in exps for p in (e.refs if e.meta.get("merged") else [[r] for r in e.refs])]
+        parts = [p for e in exps for p in experience_parts(e)]
         return int(clock.get(run.stream().informative_samples.remote(parts), "the stream dataset"))
 
     while len(gens) < run.sampling_rounds and informative() < run.sample_per_episode:

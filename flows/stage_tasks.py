@@ -143,13 +143,18 @@ def score(run: RunHandle, rollouts: RefBox) -> RefBox:
                   seconds=clock.seconds(), merged=len(outputs) > 1)
 
 
+def experience_parts(experience: RefBox) -> list[list[Any]]:
+    """The score stage's output as each batch's parts (one per returned call), as the stream dataset reads it."""
+    return experience.refs if experience.meta.get("merged") else [[r] for r in experience.refs]
+
+
 @task(name="train", cache_policy=NO_CACHE)
 @in_stage("train")
 def train(run: RunHandle, experience: RefBox, episode: int, start_iteration: int) -> dict[str, Any]:
     """The StreamDataset shapes the episode's samples (loader type, relay); the trainer flow's train_step calls
     train on them, each a task run, at once."""
     clock = StageClock("train", episode, run.stage_timeout_s)
-    parts = experience.refs if experience.meta.get("merged") else [[r] for r in experience.refs]
+    parts = experience_parts(experience)
     stats, samples_ref = run.stream().episode_samples.remote(parts, episode=episode)  # the driver owns the samples
     metrics = clock.get(stats, "the stream dataset")
     flow = run.plan.trainer

@@ -37,7 +37,6 @@ __all__ = ["dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "r
 
 # the reward's KL penalty when kl_coef is not set: PPO's 0.02 (ChatLearn's init_kl_coef); none elsewhere
 DEFAULT_KL_COEF = {"gae": 0.02}
-_KL_INPUTS = ("logprobs", "ref_logprobs", "response_mask")
 
 
 def kl_coef(args: Any, estimator: str) -> float:
@@ -62,10 +61,14 @@ def _reported_kl(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {}
 
 
-def _centred(grouped: torch.Tensor) -> torch.Tensor:
-    adv = grouped - grouped.mean(-1, keepdim=True)
+def _zero_where_constant(grouped: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """``adv``, exactly 0 (not rounding noise) for the groups whose scores are all equal."""
     constant = grouped.amax(-1, keepdim=True) == grouped.amin(-1, keepdim=True)
-    return torch.where(constant, torch.zeros_like(adv), adv)  # exactly 0, not rounding noise
+    return torch.where(constant, torch.zeros_like(adv), adv)
+
+
+def _centred(grouped: torch.Tensor) -> torch.Tensor:
+    return _zero_where_constant(grouped, grouped - grouped.mean(-1, keepdim=True))
 
 
 def _leave_one_out(grouped: torch.Tensor) -> torch.Tensor:
@@ -73,8 +76,7 @@ def _leave_one_out(grouped: torch.Tensor) -> torch.Tensor:
     if n < 2:  # no other response to compare with: the score itself, as verl does
         return grouped
     others = (grouped.sum(-1, keepdim=True) - grouped) / (n - 1)
-    return torch.where(grouped.amax(-1, keepdim=True) == grouped.amin(-1, keepdim=True),
-                       torch.zeros_like(grouped), grouped - others)
+    return _zero_where_constant(grouped, grouped - others)
 
 
 @register_advantage_estimator("gae", inputs=("logprobs", "ref_logprobs", "values", "response_mask"),
@@ -121,9 +123,9 @@ def rloo(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
 
 
 def _reinforce(batch: dict[str, Any], args: Any, scores: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
-    mask = batch["response_mask"]
-    kl = _reward_kl(batch, args, kl_coef(args, name))
-    penalty = None if kl is None else -kl_coef(args, name) * kl
+    mask, coef = batch["response_mask"], kl_coef(args, name)
+    kl = _reward_kl(batch, args, coef)
+    penalty = None if kl is None else -coef * kl
     rewards = outcome_rewards(scores, mask, penalty)
     returns = discounted_returns(rewards, mask, args.gamma)
     out = {"rewards": rewards, "advantages": returns, "returns": returns}

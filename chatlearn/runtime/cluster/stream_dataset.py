@@ -55,8 +55,7 @@ class StreamDataset:
         """The episode's experience stats and its training samples, as two return values: the caller (the
         driver) waits for the stats and owns the samples, which only the trainers fetch. ``batches`` holds each
         batch's parts (the outputs of the environment flow's returned calls, merged)."""
-        timeout = self.rt.stage_timeout_s
-        produced = [s for parts in batches for s in split_batch(merge_batches(*[fetch(p, timeout) for p in parts]))]
+        produced = self._samples(batches)
         filtered = {}
         if self.rt.dynamic_sampling:  # every response generated is reported; the informative groups train
             generated = experience_stats(produced)
@@ -71,9 +70,12 @@ class StreamDataset:
 
     def informative_samples(self, batches: list[list[Any]]) -> int:
         """Dynamic sampling: how many samples of these scored batches are in groups the reward tells apart."""
+        return sum(len(g) for g in informative_groups(self._samples(batches))[0])
+
+    def _samples(self, batches: list[list[Any]]) -> list[dict[str, Any]]:
+        """The samples of ``batches``, each batch's parts fetched and merged."""
         timeout = self.rt.stage_timeout_s
-        produced = [s for parts in batches for s in split_batch(merge_batches(*[fetch(p, timeout) for p in parts]))]
-        return sum(len(g) for g in informative_groups(produced)[0])
+        return [s for parts in batches for s in split_batch(merge_batches(*[fetch(p, timeout) for p in parts]))]
 
     def save_relay(self, directory: str) -> str | None:
         if not self.relay.enabled:
