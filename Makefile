@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	# PyPI the CUDA build: TORCH_INDEX=https://download.pytorch.org/whl/cpu takes PyTorch's CPU wheel instead);
 	# a bare `torch` requirement resolved later would pull the newest CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,trackers]'
 	touch $(STAMP)
 
 train: setup

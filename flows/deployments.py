@@ -96,6 +96,9 @@ def form_defaults(cfg: ChatLearnConfig) -> dict[str, Any]:
     for key in ("data_path", "eval_data_path"):
         value = rt.get(key)
         rt[key] = [_absolute(p) for p in value] if isinstance(value, list) else _absolute(value)
+    logs = rt["log_args_dict"]
+    for key in ("log_dir", "tensorboard_dir", "wandb_dir"):
+        logs[key] = _absolute(logs[key])
     for model in data["models"].values():
         model["config_dir"] = _absolute(model.get("config_dir"))
         args = model.get("args_dict") or {}

@@ -55,6 +55,7 @@ from chatlearn.runtime.records.reporting import EpisodeReporter, RunArtifacts, a
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.runtime.records.run_record import claim_run_dir
 from chatlearn.runtime.records.subflows import Subflows
+from chatlearn.runtime.records.trackers import Trackers
 from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.runtime.weights.versions import WeightVersions, generation_version
 from chatlearn.utils.errors import RunError
@@ -345,6 +346,9 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     store = DataCheckpointStore(run.data_checkpoint_path)
     first = resumed.episode + 1 if resumed is not None else 0
     reporter = EpisodeReporter(cfg, run_dir, first_episode=first)
+    trackers = Trackers.open(cfg, run_dir, first_episode=first)  # runtime.log_args_dict: tensorboard, wandb, mlflow
+    for name, link in trackers.links.items():
+        sys.stderr.write(f"{name}: {link}\n")
     artifacts = RunArtifacts(rt.exp_name, run_dir)  # metrics table + curve: one of each per run, kept current
     instruments = EpisodeInstruments.of(rt, groups, first)  # runtime.nsys ranges, runtime.profiler_dir traces
     progress_id = api_link.send(create_progress_artifact, progress=100.0 * first / max(1, rt.num_episode),
@@ -369,6 +373,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             return episodes(episode_name(ep), params, next_name=episode_name(next_ep) if next_ep is not None else None)
         pipeline = Pipeline(call, run, first, rt.num_episode, consumed,
                             prepare=lambda ep: episodes.prepare(episode_name(ep)))
+    failed = True
     try:
         for episode in range(first, rt.num_episode):
             t0 = time.perf_counter()
@@ -399,6 +404,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             metrics["peak_memory_mb"] = max(wait([a.peak_memory.remote() for g in groups.values() for a in g.actors],
                                                  "memory report", run.stage_timeout_s))
             reporter.record(metrics)
+            trackers.log(reporter.rows[-1])
             if metrics["checkpoint_paths"]:
                 path = commit_data_checkpoint(cfg, store, metrics)
                 record_progress(cfg, episode + 1)
@@ -413,7 +419,9 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
                 api_link.post(update_progress_artifact, progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
             api_link.post(artifacts.update, list(reporter.rows))  # the curve is drawn there too
             last = metrics
+        failed = False
     finally:
+        trackers.close(failed)
         if pipeline is not None:
             pipeline.close()
         episodes.close()

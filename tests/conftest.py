@@ -112,3 +112,38 @@ def reference_configs(shared_reference):
     path = Path(shared_reference) / "chatlearn-1.0.2-configs"
     assert path.is_dir(), f"ChatLearn's reference configs are missing: expected them at {path}"
     return path
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on loopback (SQLite store), for the experiment tracker tests; its URI."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    home = tmp_path_factory.mktemp("mlflow")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(home / "server.log", "w")  # noqa: SIM115 - open while the server runs
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--default-artifact-root",
+                             str(home / "artifacts"), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                log_text = (home / "server.log").read_text()[-2000:]
+                raise RuntimeError(f"mlflow server did not start: {log_text}") from None
+            time.sleep(0.2)
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()

@@ -116,21 +116,40 @@ def artifacts_with_key(key):
 
 @pytest.mark.integration
 def test_a_two_episode_run_shows_curves_one_table_and_profiles(prefect_api, ray_session, tiny_model_dir, tmp_path,
-                                                              monkeypatch, capsys):
+                                                              monkeypatch, capsys, mlflow_server):
     """PPO, the value/reference/reward/policy colocated in one process and the two trainers alone, 2 episodes
-    with eval after the second and before training, profiler and nsys on."""
+    with eval after the second and before training, profiler and nsys on, and all three experiment trackers."""
     from flows import train_flow
     from tests.test_engine_runs import rows_of, small
+    from tests.test_trackers import mlflow_run, tensorboard_scalars, wandb_history
 
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)  # value / ppo_value: tiny_llama.yaml's path
+    monkeypatch.setenv("WANDB_MODE", "offline")
     prof = tmp_path / "prof"
+    logs = "runtime.log_args_dict"
     cfg = small("default", tmp_path, tiny_model_dir, "runtime.exp_name=run-display",
                 "runtime.colocation=['policy,reference,reward,value']", f"runtime.profiler_dir={prof}",
-                "runtime.nsys=true")
+                "runtime.nsys=true", f"{logs}.enable_tensorboard=true", f"{logs}.enable_wandb=true",
+                f"{logs}.enable_mlflow=true", f"{logs}.mlflow_tracking_uri={mlflow_server}")
     train_flow(cfg)
     run_dir = tmp_path / "run-display"
     rows = rows_of(run_dir)
     assert [r["episode"] for r in rows] == [0, 1] and "eval_reward_mean" in rows[1] and "kl_mean" in rows[1]
+
+    # every metric of every episode in each tracker, the episode (from 1) as the step
+    tb = tensorboard_scalars(run_dir / "tensorboard")
+    _, config, history = wandb_history(run_dir / "wandb")
+    state = json.loads((run_dir / "trackers.json").read_text())
+    client, mlrun = mlflow_run(mlflow_server, state["mlflow_run_id"])
+    assert mlrun.info.status == "FINISHED" and mlrun.data.params["runtime.exp_name"] == "run-display"
+    assert config["runtime"]["exp_name"] == "run-display"
+    for key in ("reward_mean", "kl_mean", "policy_loss", "value_loss", "episode_seconds", "stage_seconds/train"):
+        values = [r[key] if "/" not in key else r["stage_seconds"]["train"] for r in rows]
+        assert tb[key] == [(1, pytest.approx(values[0])), (2, pytest.approx(values[1]))], key
+        assert [h[key] for h in history] == pytest.approx(values), key
+        assert sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, key)) == [
+            (1, pytest.approx(values[0])), (2, pytest.approx(values[1]))], key
+    assert [s for s, _ in tb["eval_reward_mean"]] == [2] and [h["_step"] for h in history] == [1, 2]
 
     # curves.png: the last episode's curve, the same PNG the curve artifact embeds
     png = (run_dir / "curves.png").read_bytes()
@@ -169,3 +188,7 @@ def test_a_two_episode_run_shows_curves_one_table_and_profiles(prefect_api, ray_
     needs_cuda = [line for line in err.splitlines() if "NVTX ranges need a CUDA build" in line]
     assert len(needs_cuda) == (0 if nvtx_works() else 1)
     assert "torch profiler traces of episode 1" in err
+    assert f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}" in err
+    assert f"mlflow: {mlflow_server}/#/experiments/" in err
+    assert "wandb: " in err and not [line for line in err.splitlines() if line.startswith("wandb: ") and
+                                     "offline: wandb sync" not in line]  # wandb's own chatter stays off

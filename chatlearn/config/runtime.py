@@ -22,6 +22,7 @@ __all__ = [
 STREAM_DATA_LOADER_TYPES = ("fixed", "dynamic")
 PARAM_SYNC_COMM_TYPES = ("broadcast", "p2p")
 CPU_SCHEDULE_STRATEGIES = ("PACK", "SPREAD")
+WANDB_RESUME = ("allow", "must", "never", "auto")
 
 
 class PartialRolloutConfig(Section):
@@ -65,6 +66,44 @@ class PartialRolloutConfig(Section):
             edges.append(min(max_new_tokens, round(total * max_new_tokens)))
         edges[-1] = max_new_tokens
         return [b - a for a, b in zip(edges, edges[1:], strict=False)]
+
+
+class LogArgsConfig(Section):
+    """``runtime.log_args_dict``: the experiment trackers every per-episode metric also goes to (ChatLearn's
+    LogConfig names, plus MLflow's). Directories default to the run directory's ``tensorboard`` and ``wandb``;
+    a tracker that is enabled but not installed, or fails, costs the run one warning, never the training
+    (:mod:`chatlearn.runtime.records.trackers`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    log_dir: str | None = Field(default=None, description="where tracker files go by default (default: the run "
+                                "directory)")
+    enable_tensorboard: bool = Field(default=False, description="write TensorBoard event files")
+    tensorboard_dir: str | None = Field(default=None, description="TensorBoard log dir (default log_dir/tensorboard)")
+    enable_wandb: bool = Field(default=False, description="log to Weights & Biases (WANDB_MODE=offline: local "
+                               "files only, `wandb sync` later)")
+    wandb_dir: str | None = Field(default=None, description="wandb's local files (default log_dir/wandb)")
+    wandb_project: str | None = Field(default=None, description="wandb project (default: the exp_name)")
+    wandb_id: str | None = Field(default=None, description="wandb run id (default: a new id, kept in "
+                                 "run_dir/trackers.json so a resumed run continues the same wandb run)")
+    wandb_name: str | None = Field(default=None, description="wandb run name (default: the exp_name)")
+    wandb_resume: str = Field(default="allow", description="wandb.init's resume: allow, must, never or auto")
+    enable_mlflow: bool = Field(default=False, description="log to MLflow")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking server URI (default: "
+                                            "MLFLOW_TRACKING_URI, else MLflow's own default)")
+    mlflow_experiment_name: str | None = Field(default=None, description="MLflow experiment (default: the exp_name)")
+
+    @field_validator("wandb_resume")
+    @classmethod
+    def _resume_choice(cls, value: str) -> str:
+        if value not in WANDB_RESUME:
+            raise ValueError(f"{value!r} is not one of {list(WANDB_RESUME)} (wandb.init's resume)")
+        return value
+
+    @property
+    def enabled(self) -> list[str]:
+        """The trackers this config turns on, by name."""
+        return [name for name in ("tensorboard", "wandb", "mlflow") if getattr(self, f"enable_{name}")]
 
 
 class RuntimeEnvConfig(Section):
@@ -230,6 +269,12 @@ class RuntimeConfig(Section):
     )
     enable_eval_before_training: bool = Field(
         default=False, description="evaluate once before the first episode (ChatLearn 1.0.3)"
+    )
+    log_args_dict: LogArgsConfig = Field(
+        default_factory=lambda: LogArgsConfig(),
+        description="experiment trackers (ChatLearn's names): enable_tensorboard/tensorboard_dir, enable_wandb/"
+        "wandb_dir/wandb_project/wandb_id/wandb_name/wandb_resume, enable_mlflow/mlflow_tracking_uri/"
+        "mlflow_experiment_name",
     )
     # -- fault handling (not in ChatLearn, which stops everything when a model process dies) --
     max_restarts: int = Field(
