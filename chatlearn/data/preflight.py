@@ -26,11 +26,15 @@ Neither Ray nor Prefect is imported here.
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
+
 from chatlearn.config import ChatLearnConfig, ConfigError
-from chatlearn.data.prompts import DataError, load_placed_records
+from chatlearn.data.chat import ChatTemplate, is_chat, message_problem
+from chatlearn.data.prompts import DataError
+from chatlearn.data.records import Records, read_records
 
 __all__ = ["PreparedData", "preflight", "record_keys"]
 
@@ -61,10 +65,10 @@ class _Engine(Protocol):
 
 
 class PreparedData(NamedTuple):
-    """The records a run uses, checked (and cut to fit where the config says so)."""
+    """The records a run uses, checked (and cut to fit where the config says so), read lazily."""
 
-    prompts: list[dict[str, Any]]
-    eval_prompts: list[dict[str, Any]]
+    prompts: Records
+    eval_prompts: Records
 
 
 class _Budget(NamedTuple):
@@ -116,16 +120,20 @@ def check_model_files(cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> None:
         raise ConfigError(problems)
 
 
-def _given(records: Sequence[Any], keys: list[str], where: str) -> list[tuple[str, dict[str, Any]]]:
-    """Records given in code (ChatLearn's ``set_dataset``): dicts holding ``keys``, or prompt strings."""
+def _given(records: Sequence[Any], keys: list[str], where: str) -> Records:
+    """Records given in code (ChatLearn's ``set_dataset``): dicts holding ``keys`` (the prompt may be chat
+    messages), or prompt strings."""
     placed = []
     for i, rec in enumerate(records):
         rec = {keys[0]: rec} if isinstance(rec, str) else rec
-        if not isinstance(rec, dict) or any(not isinstance(rec.get(k), str) for k in keys):
+        good = isinstance(rec, dict) and all(
+            isinstance(rec.get(k), str) or (k == keys[0] and is_chat(rec.get(k)) and not message_problem(rec.get(k)))
+            for k in keys)
+        if not good:
             raise DataError(f"{where}: record {i} is {type(rec).__name__}; expected a prompt string or a dict whose "
                             f"{keys} are strings")
         placed.append((f"{where}: record {i}", rec))
-    return placed
+    return Records.of(placed)
 
 
 def _files(cfg: ChatLearnConfig, eng: _Engine) -> tuple[list[str], list[str]]:
@@ -146,35 +154,66 @@ def _as_list(paths: str | Sequence[str] | None) -> list[str]:
 
 
 def _prepare_data(cfg: ChatLearnConfig, eng: _Engine) -> PreparedData:
-    """The run's records as `launch` loaded them (same files, same required fields), measured against the
-    producer's context while their places are still known."""
+    """The run's records as `launch` hands them on (same files, same required fields), read lazily, chat
+    prompts rendered with the producer's tokenizer, measured against the producer's context while their places
+    are still known."""
     producer = eng.plan.producer
     module = eng.modules[producer]
     args = (cfg.models[producer].args_dict if producer in cfg.models else None) or {}
     keys = record_keys(module, args)
     train, evals = _files(cfg, eng)
-    placed = (_given(eng.dataset, keys, "engine.set_dataset") if eng.dataset is not None
-              else load_placed_records(train, keys) if train else [])
-    eval_placed = (_given(eng.eval_dataset, keys, "evaluator.set_dataset") if eng.eval_dataset is not None
-                   else load_placed_records(evals, keys) if evals else [])
-    budget = _budget(cfg, producer, module) if placed or eval_placed else None
+    records = (_given(eng.dataset, keys, "engine.set_dataset") if eng.dataset is not None
+               else read_records(train, keys, keys[0]) if train else Records([]))
+    eval_records = (_given(eng.eval_dataset, keys, "evaluator.set_dataset") if eng.eval_dataset is not None
+                    else read_records(evals, keys, keys[0]) if evals else Records([]))
+    budget = _budget(cfg, producer, module) if records or eval_records else None
+    chat = _chat_template(cfg, producer, module, budget, [records, eval_records], keys[0])
+    if chat is not None:
+        records, eval_records = records.with_chat(keys[0], chat), eval_records.with_chat(keys[0], chat)
     if budget is not None:
         budgets = [budget, *_reader_budgets(cfg, eng, budget)]
-        placed = _fit_all(placed, keys[0], budgets)
-        eval_placed = _fit_all(eval_placed, keys[0], budgets)
-    return PreparedData([rec for _, rec in placed], [rec for _, rec in eval_placed])
+        records = _fit_all(records, keys[0], budgets)
+        eval_records = _fit_all(eval_records, keys[0], budgets)
+    return PreparedData(records, eval_records)
 
 
-def _fit_all(placed: list[tuple[str, dict[str, Any]]], prompt_key: str,
-             budgets: list[_Budget]) -> list[tuple[str, dict[str, Any]]]:
+def _chat_template(cfg: ChatLearnConfig, producer: str, module: Any, budget: _Budget | None,
+                   records: list[Records], key: str) -> ChatTemplate | None:
+    """The producer's chat template where a prompt is chat messages (None: none is); a DataError naming the
+    first such prompt when the producer has no tokenizer with a template."""
+    where = next(filter(None, (r.first_chat(key) for r in records)), None)
+    if where is None:
+        return None
+    owner = f"models.{producer}.args_dict"
+    _, path = _model_path(cfg, producer, module)
+    if not path:
+        raise DataError(f"{where}: the prompt is a list of chat messages, and models.{producer} has no model_path "
+                        "whose tokenizer's chat template could render it; give the prompt as text")
+    if budget is not None:
+        tokenizer = budget.tokenizer
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"{owner}.model_path: cannot load the tokenizer of {path!r}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    chat = ChatTemplate(tokenizer, str(path), owner)
+    chat.check(where)
+    return chat
+
+
+def _fit_all(records: Records, prompt_key: str, budgets: list[_Budget]) -> Records:
     """`_fit` for every budget, until none cuts anything: a prompt cut to fit one tokenizer may, rarely,
     count longer under another after the cut (each cut only shortens, so this ends)."""
     while True:
-        before = placed
+        cut_any = False
         for budget in budgets:
-            placed = _fit(placed, prompt_key, budget)
-        if placed is before or len(budgets) == 1:  # one budget: `_keep_end` checked its own cuts
-            return placed
+            records, cut = _fit(records, prompt_key, budget)
+            cut_any = cut_any or cut
+        if not cut_any or len(budgets) == 1:  # one budget: `_keep_end` checked its own cuts
+            return records
 
 
 def _model_path(cfg: ChatLearnConfig, name: str, module: Any) -> tuple[Any, str | None]:
@@ -256,35 +295,80 @@ def _budget(cfg: ChatLearnConfig, producer: str, module: Any) -> _Budget | None:
                    bool(getattr(args, "truncate_long_prompts", False)), owner)
 
 
-def _fit(placed: list[tuple[str, dict[str, Any]]], prompt_key: str,
-         budget: _Budget) -> list[tuple[str, dict[str, Any]]]:
-    """The records whose prompts fit the budget; the others are an error naming the first (and how many), or
-    cut to fit (`truncate_long_prompts`)."""
-    if not placed:
-        return placed
+def _fit(records: Records, prompt_key: str, budget: _Budget) -> tuple[Records, bool]:
+    """The records, every prompt fitting the budget: one that does not is an error naming the first (and how
+    many), or cut to fit (`truncate_long_prompts`; then True). Only the prompts that may not fit by their UTF-8
+    length are tokenized (`_suspects`), so a file of a million records is measured in seconds."""
+    if not len(records):
+        return records, False
     tok = budget.tokenizer
-    lengths = [len(ids) for ids in tok([rec[prompt_key] for _, rec in placed])["input_ids"]]
-    reserves = _reserves(placed, budget)
-    over = [i for i, (n, r) in enumerate(zip(lengths, reserves, strict=True)) if n + r > budget.context]
+    over: list[tuple[int, int, int]] = []  # (row, prompt tokens, tokens after it) of each prompt too long
+    for rows in _suspects(records, prompt_key, budget):
+        placed = [(records.place(i), records[i]) for i in rows]
+        lengths = [len(ids) for ids in tok([rec[prompt_key] for _, rec in placed])["input_ids"]]
+        reserves = _reserves(placed, budget)
+        over += [(i, n, r) for i, n, r in zip(rows, lengths, reserves, strict=True) if n + r > budget.context]
     if not over:
-        return placed
+        return records, False
     if not budget.truncate:
-        i = over[0]
-        where, limit = placed[i][0], budget.context - reserves[i]
+        i, n, reserve = over[0]
         more = f"; {len(over) - 1} more prompt(s) too long" if len(over) > 1 else ""
-        raise DataError(f"{where}: prompt of {lengths[i]} tokens is longer than the {limit} that fit "
-                        f"({_room(budget, reserves[i])}){more}; shorten it, or set "
+        raise DataError(f"{records.place(i)}: prompt of {n} tokens is longer than the {budget.context - reserve} "
+                        f"that fit ({_room(budget, reserve)}){more}; shorten it, or set "
                         f"{budget.owner}.truncate_long_prompts=true to cut long prompts to fit (keeping their end)")
-    out = list(placed)
-    for i in over:
-        where, rec = placed[i]
-        cut = _keep_end(tok, rec[prompt_key], budget.context - reserves[i])
+    cuts = {}
+    for i, _, reserve in over:
+        cut = _keep_end(tok, records[i][prompt_key], budget.context - reserve)
         if cut is None:
-            raise DataError(f"{where}: no part of the prompt fits in {_room(budget, reserves[i])}")
-        out[i] = (where, {**rec, prompt_key: cut})
+            raise DataError(f"{records.place(i)}: no part of the prompt fits in {_room(budget, reserve)}")
+        cuts[i] = cut
     logger.warning("cut %d prompt(s) longer than the model's context allows to fit, keeping their end "
-                   "(truncate_long_prompts); the first: %s", len(over), placed[over[0]][0])
-    return out
+                   "(truncate_long_prompts); the first: %s", len(over), records.place(over[0][0]))
+    return records.with_cuts(prompt_key, cuts), True
+
+
+# prompts tokenized to check that the tokenizer never makes more tokens than a text has UTF-8 bytes (plus its
+# special tokens and one word-start marker), the bound `_suspects` relies on
+_BOUND_SAMPLE = 1024
+
+
+def _suspects(records: Records, prompt_key: str, budget: _Budget) -> Iterator[list[int]]:
+    """The rows, in order and in batches, whose prompt may be too long or whose response may exceed
+    max_response_tokens: those whose UTF-8 lengths (from Arrow, no tokenizer) would not fit if every byte were
+    a token. Byte-level BPE, SentencePiece with byte fallback and WordPiece never make more; a tokenizer that
+    does on the first `_BOUND_SAMPLE` records gets every row measured instead."""
+    slack = len(budget.tokenizer("")["input_ids"]) + 1  # BOS and the like, and a word-start marker ("▁")
+    every = not _bound_holds(records, prompt_key, budget, slack)
+    streams = [records.text_bytes(prompt_key), *(records.text_bytes(k) for k in budget.response_keys)]
+    start = 0
+    for prompt_bytes, *responses in zip(*streams, strict=True):
+        if every:
+            rows = np.arange(len(prompt_bytes))
+        else:
+            longest = np.maximum.reduce(responses) + 2 if responses else None  # + the marker and EOS
+            reserve = budget.max_new_tokens if budget.max_new_tokens is not None else longest
+            suspect = prompt_bytes + slack + reserve > budget.context
+            if longest is not None and budget.max_response_tokens is not None:
+                suspect |= longest > budget.max_response_tokens
+            rows = np.flatnonzero(suspect)
+        if len(rows):
+            yield (rows + start).tolist()
+        start += len(prompt_bytes)
+
+
+def _bound_holds(records: Records, prompt_key: str, budget: _Budget, slack: int) -> bool:
+    """Whether the first records' texts tokenize to at most their UTF-8 length plus ``slack`` (responses: plus
+    one) tokens."""
+    sample = records[:_BOUND_SAMPLE]
+    tok = budget.tokenizer
+    for key, extra, special in [(prompt_key, slack, True), *((k, 1, False) for k in budget.response_keys)]:
+        texts = [rec[key] for rec in sample]
+        for text, ids in zip(texts, tok(texts, add_special_tokens=special)["input_ids"], strict=True):
+            if len(ids) > len(text.encode("utf-8")) + extra:
+                logger.info("the tokenizer of %s makes more tokens than a text has bytes: every prompt is measured",
+                            budget.source)
+                return False
+    return True
 
 
 def _room(budget: _Budget, reserve: int) -> str:

@@ -1,4 +1,5 @@
-"""Prompt records from JSONL or JSON files, with errors that name the file and line.
+"""Prompt records from JSONL or JSON files, with errors that name the file and line (the other formats:
+`chatlearn.data.tables`; every format through `chatlearn.data.records.read_records`).
 
 Whatever a file holds (any bytes, a BOM, invalid UTF-8, JSON nested too deeply, an integer too long to
 convert, huge lines) gives records or a :class:`DataError` naming the file (and the line where there is one),
@@ -22,32 +23,43 @@ class DataError(UserError, ValueError):
 
 
 def load_records(paths: str | Sequence[str], required_key: str | Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """All records of one path or a list of paths, in order. JSONL: one object per line; JSON: a list.
+    """All records of one path or a list of paths, in order, as a list (every format of
+    `chatlearn.data.records.read_records`; a run reads them lazily there instead). JSONL: one object per line;
+    JSON: a list.
 
     With `required_key` (one field name or several), every record must hold a string under each (e.g. the
     prompt; a DPO pair's chosen and rejected responses), checked here on the driver so the error can name the
     file and line before any actor starts.
     """
-    return [rec for _, rec in load_placed_records(paths, required_key)]
+    from chatlearn.data.records import read_records  # records reads JSON through this module
+
+    return list(read_records(paths, [required_key] if isinstance(required_key, str) else required_key or []))
 
 
-def load_placed_records(paths: str | Sequence[str],
-                        required_key: str | Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """As :func:`load_records`, each record with its place: ``"file:line"`` (JSONL) or ``"file: record i"``
-    (JSON), so later checks (e.g. prompt length, :mod:`chatlearn.data.preflight`) can name it too."""
+def load_placed_records(paths: str | Sequence[str], required_key: str | Sequence[str] | None = None,
+                        chat_key: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The records of JSONL or JSON files, each with its place: ``"file:line"`` (JSONL) or ``"file: record i"``
+    (JSON), so later checks (e.g. prompt length, :mod:`chatlearn.data.preflight`) can name it too. The field
+    ``chat_key`` (the prompt) may hold a list of chat messages instead of a string."""
     if isinstance(paths, str | Path):
         paths = [str(paths)]
     records: list[tuple[str, dict[str, Any]]] = []
     for path in paths:
-        text = _read_text(str(path))
-        if Path(path).suffix == ".json":
-            records.extend(_json_records(str(path), text, required_key))
-        else:
-            records.extend(_jsonl_records(str(path), text, required_key))
+        records.extend(read_json_records(str(path), required_key, chat_key))
     if not records:
         names = ", ".join(map(str, paths)) or "no prompt file given"
         raise DataError(f"{names}: no records (empty, or blank lines only)")
     return records
+
+
+def read_json_records(path: str, required_key: str | Sequence[str] | None = None,
+                      chat_key: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The placed records of one JSONL or JSON file (``.json``: one list; any other name: JSONL), none when it is
+    empty."""
+    text = _read_text(path)
+    if Path(path).suffix == ".json":
+        return _json_records(path, text, required_key, chat_key)
+    return _jsonl_records(path, text, required_key, chat_key)
 
 
 def _read_text(path: str) -> str:
@@ -94,7 +106,8 @@ def _parse_at(text: str, where: str, whole_file: bool = False) -> Any:
         raise DataError(f"{where}: invalid JSON: {exc}") from None
 
 
-def _json_records(path: str, text: str, keys: str | Sequence[str] | None) -> list[tuple[str, dict[str, Any]]]:
+def _json_records(path: str, text: str, keys: str | Sequence[str] | None,
+                  chat_key: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     data = _parse_at(text, path, whole_file=True)
     if not isinstance(data, list):
         raise DataError(f"{path}: a .json prompt file must hold a list of records, it holds a {type(data).__name__}")
@@ -103,12 +116,13 @@ def _json_records(path: str, text: str, keys: str | Sequence[str] | None) -> lis
         where = f"{path}: record {i}"
         if not isinstance(rec, dict):
             raise DataError(f"{where} is not an object, it is a {type(rec).__name__}")
-        _check_key(rec, keys, where)
+        _check_key(rec, keys, where, chat_key)
         out.append((where, rec))
     return out
 
 
-def _jsonl_records(path: str, text: str, keys: str | Sequence[str] | None) -> list[tuple[str, dict[str, Any]]]:
+def _jsonl_records(path: str, text: str, keys: str | Sequence[str] | None,
+                   chat_key: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     out = []
     # "\n" only: str.splitlines() would also split at characters a JSON string may hold raw (U+2028, \x1c, ...)
     for lineno, line in enumerate(text.split("\n"), start=1):
@@ -118,14 +132,17 @@ def _jsonl_records(path: str, text: str, keys: str | Sequence[str] | None) -> li
         rec = _parse_at(line, where)
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-        _check_key(rec, keys, where)
+        _check_key(rec, keys, where, chat_key)
         out.append((where, rec))
     return out
 
 
-def _check_key(rec: dict[str, Any], keys: str | Sequence[str] | None, where: str) -> None:
+def _check_key(rec: dict[str, Any], keys: str | Sequence[str] | None, where: str, chat_key: str | None = None) -> None:
     for key in [keys] if isinstance(keys, str) else keys or []:
         value = rec.get(key)
+        if key == chat_key and isinstance(value, list):
+            _check_messages(value, key, where)
+            continue
         if not isinstance(value, str):
             found = "missing" if key not in rec else f"a {type(value).__name__}"
             raise DataError(f"{where}: field {key!r} must be a string, it is {found}")
@@ -134,3 +151,19 @@ def _check_key(rec: dict[str, Any], keys: str | Sequence[str] | None, where: str
         except UnicodeEncodeError as exc:  # JSON's "\ud800" escape: valid JSON, but no tokenizer takes it
             raise DataError(f"{where}: field {key!r} holds an unpaired surrogate "
                             f"(\\u{ord(value[exc.start]):04x} at character {exc.start}), not text") from None
+
+
+def _check_messages(value: list[Any], key: str, where: str) -> None:
+    """A prompt given as chat messages: well formed, and text a tokenizer takes (as a string field must be)."""
+    from chatlearn.data.chat import message_problem  # chat imports DataError from here
+
+    problem = message_problem(value)
+    if problem is not None:
+        raise DataError(f"{where}: field {key!r} must be a string or a list of chat messages, it is {problem}")
+    for i, msg in enumerate(value):
+        for field in ("role", "content"):
+            try:
+                msg[field].encode("utf-8")
+            except UnicodeEncodeError:
+                raise DataError(f"{where}: field {key!r}, message {i}: {field!r} holds an unpaired surrogate, "
+                                "not text") from None

@@ -9,6 +9,9 @@ characters = 4; we follow the rule literally rather than trying to avoid that do
 """
 
 import re
+from collections.abc import Sequence
+
+from chatlearn.data.records import Records
 
 # CJK Unified Ideographs, Extension A, Compatibility Ideographs.
 _CJK = re.compile("[\u4e00-\u9fff\u3400-\u4dbf\uf900-\ufaff]")
@@ -19,8 +22,9 @@ def prompt_length(text: str) -> int:
     return len(text.split()) + len(_CJK.findall(text))
 
 
-def rank_prompts(records: list[dict], sample_per_episode: int, prompt_key: str = "prompt") -> list[dict]:
-    """Records reordered longest-prompt-first inside each chunk of `sample_per_episode` (stable; last = remainder)."""
+def rank_prompts(records: Sequence[dict], sample_per_episode: int, prompt_key: str = "prompt") -> Sequence[dict]:
+    """Records reordered longest-prompt-first inside each chunk of `sample_per_episode` (stable; last = remainder).
+    A `Records` comes back as a reordered view (its rows are still read only when used), a list as a list."""
     if isinstance(sample_per_episode, bool) or not isinstance(sample_per_episode, int) or sample_per_episode <= 0:
         raise ValueError(f"sample_per_episode must be a positive int, got {sample_per_episode!r}")
     lengths = []
@@ -33,9 +37,11 @@ def rank_prompts(records: list[dict], sample_per_episode: int, prompt_key: str =
                 f"batch_generation.ranking: record {i} field {prompt_key!r} is a {type(text).__name__}, expected str"
             )
         lengths.append(prompt_length(text))
-    out: list[dict] = []
-    for start in range(0, len(records), sample_per_episode):
-        idx = range(start, min(start + sample_per_episode, len(records)))
+    order: list[int] = []
+    for start in range(0, len(lengths), sample_per_episode):
+        idx = range(start, min(start + sample_per_episode, len(lengths)))
         # sorted() is stable and reverse=True keeps equal elements in their original order.
-        out.extend(records[i] for i in sorted(idx, key=lambda i: lengths[i], reverse=True))
-    return out
+        order.extend(sorted(idx, key=lambda i: lengths[i], reverse=True))
+    if isinstance(records, Records):
+        return records.reordered(order)
+    return [records[i] for i in order]

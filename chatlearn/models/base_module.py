@@ -8,11 +8,13 @@ through the methods. `__init__` must stay cheap: the object is built on the driv
 """
 
 import os
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
 from chatlearn.config import ModelConfig, RuntimeConfig
+from chatlearn.data.records import Records
 
 
 class BaseModule:
@@ -91,9 +93,10 @@ class BaseModule:
     def setup(self) -> None:
         """Build models, tokenizers and optimizers. Runs once per actor."""
 
-    def build_dataset(self, prompts: list[Any], is_eval: bool = False) -> Any:
-        """Turn raw prompt records into an indexable dataset (first model of the engine only)."""
-        return list(prompts)
+    def build_dataset(self, prompts: Sequence[Any], is_eval: bool = False) -> Any:
+        """Turn raw prompt records into an indexable dataset (first model of the engine only). A run hands a
+        `chatlearn.data.records.Records`: indexable already, and read lazily, so it is kept as it is."""
+        return prompts if isinstance(prompts, Records) else list(prompts)
 
     def collate_fn(self, items: list[Any]) -> Any:
         """Combine dataset items into the batch handed to `forward_step`/`eval_step`."""

@@ -9,6 +9,8 @@ the reward's actor with the other scorers' outputs.
 """
 
 import concurrent.futures
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -82,20 +84,34 @@ def text_samples(data: dict) -> list[dict]:
     return split_batch({k: v for k, v in data.items() if not isinstance(v, torch.Tensor)})
 
 
+def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` can be called with the keyword argument ``name``."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: assume it does, the call will tell
+        return True
+    return any(p.kind == p.VAR_KEYWORD or (p.name == name and p.kind != p.POSITIONAL_ONLY) for p in params)
+
+
 class RuleSpec(BaseModel):
-    """One rule reward: its hook, the longest one call may take, and the Ray CPUs of one batch's task."""
+    """One rule reward: its hook, the longest one call may take, the Ray CPUs of one batch's task, and the
+    record field of the reference answer the hook is told (``answer_key``; None: the hook's own default)."""
 
     reward_fn: str
     timeout_s: float
     num_cpus: float = 1.0
+    answer_key: str | None = None
 
     @classmethod
     def of(cls, args: Any) -> "RuleSpec":
         """The rule a `RuleRewardArgs` (``models.<name>.args_dict``) describes."""
-        return cls(reward_fn=args.reward_fn, timeout_s=args.timeout_s, num_cpus=args.num_cpus_per_task)
+        return cls(reward_fn=args.reward_fn, timeout_s=args.timeout_s, num_cpus=args.num_cpus_per_task,
+                   answer_key=args.answer_key)
 
     def score(self, data: dict, episode_start: int | None = None) -> list[float]:
         """The rule's score of each sample of one batch; a RewardError names the hook and the sample (by its
         index in the episode when ``episode_start``, the episode's first ``sample_id``, is given)."""
-        return score_samples(import_callable(self.reward_fn), text_samples(data), self.timeout_s,
-                             hook_name(self.reward_fn), episode_start)
+        fn = import_callable(self.reward_fn)
+        if self.answer_key is not None:
+            fn = functools.partial(fn, answer_key=self.answer_key)
+        return score_samples(fn, text_samples(data), self.timeout_s, hook_name(self.reward_fn), episode_start)

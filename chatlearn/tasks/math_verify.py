@@ -1,10 +1,11 @@
 """A verifiable math reward: the response's final answer checked against the reference with math-verify.
 
 Point a run at it with ``models.<reward>.args_dict.reward_fn: chatlearn.tasks.math_verify:math_reward``. It
-reads the sample's ``response`` and its reference answer ``answer`` (a bare answer such as ``\\frac{3}{4}``, or
-a GSM8K solution ending in ``#### 72``). The final answer of a text is its last ``\\boxed{...}`` (or
-``\\fbox{...}``), else its last ``#### answer`` line (`extract_answer`); math-verify decides whether two answers
-are equal (``0.75`` = ``\\frac{3}{4}`` = ``3/4``, ``1,000`` = ``1000``, ``2x+1`` = ``1+2x``, sets, intervals).
+reads the sample's ``response`` and its reference answer ``answer`` (another field: the reward's
+``args_dict.answer_key``), a bare answer such as ``\\frac{3}{4}`` or a GSM8K solution ending in ``#### 72``.
+The final answer of a text is its last ``\\boxed{...}`` (or ``\\fbox{...}``), else its last ``#### answer``
+line (`extract_answer`); math-verify decides whether two answers are equal (``0.75`` = ``\\frac{3}{4}`` =
+``3/4``, ``1,000`` = ``1000``, ``2x+1`` = ``1+2x``, sets, intervals).
 
 Why a worker process: math-verify bounds its own work with ``signal.alarm``, which only works in a process's
 main thread, and rule rewards run in helper threads of Ray workers (`chatlearn.models.rule`), where a stuck call
@@ -21,6 +22,7 @@ milliseconds (about 0.3 ms of it the pipe), a killed worker about 1 s to replace
 """
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -297,8 +299,8 @@ def make_math_reward(answer_field: str = "answer", format_weight: float = 0.0,
     in ``sample[answer_field]``, else 0.0; plus ``format_weight * format_reward(sample)``; each sample judged
     within ``timeout_s`` seconds.
 
-    Rule rewards are named in the config by ``module:function`` and get no arguments, so another field or
-    weight is a function of your own module::
+    Rule rewards are named in the config by ``module:function``; another answer field is the reward's
+    ``args_dict.answer_key`` (`math_reward` takes it), another weight a function of your own module::
 
         # myrewards.py (next to the config); reward_fn: myrewards:solution_reward
         from chatlearn.tasks.math_verify import make_math_reward
@@ -322,21 +324,23 @@ def make_math_reward(answer_field: str = "answer", format_weight: float = 0.0,
     return reward
 
 
-_math_reward = make_math_reward()
-_math_and_format_reward = make_math_reward(format_weight=FORMAT_WEIGHT)
+@functools.cache
+def _math_reward(answer_key: str, format_weight: float) -> Callable[[dict], float]:
+    return make_math_reward(answer_field=answer_key, format_weight=format_weight)
 
 
-def math_reward(sample: dict) -> float:
-    """1.0 when the final answer of ``sample["response"]`` is mathematically equal to ``sample["answer"]``
+def math_reward(sample: dict, answer_key: str = "answer") -> float:
+    """1.0 when the final answer of ``sample["response"]`` is mathematically equal to ``sample[answer_key]``
     (extracted first when it is a GSM8K solution), else 0.0; judged within `DEFAULT_TIMEOUT_S` seconds, and
-    0.0 when it takes longer. The outcome reward of math RL (GRPO on GSM8K / MATH)."""
-    return _math_reward(sample)
+    0.0 when it takes longer. The outcome reward of math RL (GRPO on GSM8K / MATH). ``answer_key`` is the
+    reward's ``args_dict.answer_key`` where the config sets one."""
+    return _math_reward(answer_key, 0.0)(sample)
 
 
-def math_and_format_reward(sample: dict) -> float:
+def math_and_format_reward(sample: dict, answer_key: str = "answer") -> float:
     """`math_reward` + `FORMAT_WEIGHT` (0.1) * `format_reward`: in [0, 1.1]. The small format term rewards a
     single well-formed final answer before the policy gets answers right, without outweighing correctness."""
-    return _math_and_format_reward(sample)
+    return _math_reward(answer_key, FORMAT_WEIGHT)(sample)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from pydantic import Field
 
 from chatlearn.algorithms.aggregation import GlobalMean, global_mean
 from chatlearn.algorithms.dpo import dpo_loss, online_dpo_loss, sequence_logprob
+from chatlearn.data.records import Records
 from chatlearn.models.hf.common import (
     HFModelArgs,
     HFModule,
@@ -76,6 +77,8 @@ class PairReference(HFModule):
         self.parallelize()
 
     def build_dataset(self, prompts, is_eval=False):
+        if isinstance(prompts, Records):  # checked on the driver, and read lazily: materialised here, it would not be
+            return prompts
         a = self.args
         for i, rec in enumerate(prompts):
             for key in (a.prompt_key, a.chosen_key, a.rejected_key):

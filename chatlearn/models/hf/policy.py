@@ -4,6 +4,7 @@ import torch
 from pydantic import Field, field_validator
 from transformers import LogitsProcessorList
 
+from chatlearn.data.records import Records
 from chatlearn.models.hf.common import (
     HFModelArgs,
     HFModule,
@@ -114,6 +115,8 @@ class PolicyInference(HFModule):
         self.parallelize()
 
     def build_dataset(self, prompts, is_eval=False):
+        if isinstance(prompts, Records):  # checked on the driver, and read lazily: materialised here, it would not be
+            return prompts
         key = self.args.prompt_key
         for i, rec in enumerate(prompts):
             if not isinstance(rec, dict) or not isinstance(rec.get(key), str):

@@ -32,7 +32,7 @@ from chatlearn.algorithms import (
 from chatlearn.config.engines import ENGINES
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, load_tokenizer
-from chatlearn.models.rule import RuleSpec, score_key
+from chatlearn.models.rule import RuleSpec, score_key, takes_keyword
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.finite import batch_sample, describe_sample, nonfinite_rows, nonfinite_summary
 from chatlearn.utils.imports import import_callable
@@ -102,6 +102,10 @@ class RuleRewardArgs(PPOExperienceArgs):
                           "parallel (False: in the reward's actor)")
     num_cpus_per_task: float = Field(1.0, ge=0, description="Ray CPUs of each fanned-out reward task")
     timeout_s: float = Field(60.0, gt=0, description="longest one call of reward_fn may take, in seconds")
+    answer_key: str | None = Field(
+        None, description="field of a data record that holds the reference answer of a verifiable reward, handed "
+        "to reward_fn as its answer_key argument (the built-in math rewards read 'answer' without it; verl's "
+        "ground truth)")
 
     @field_validator("reward_fn")
     @classmethod
@@ -109,6 +113,13 @@ class RuleRewardArgs(PPOExperienceArgs):
         # checked with the config, before any actor starts, not first in the reward actor's setup
         import_callable(spec)
         return spec
+
+    @model_validator(mode="after")
+    def _takes_answer_key(self) -> "RuleRewardArgs":
+        if self.answer_key is not None and not takes_keyword(import_callable(self.reward_fn), "answer_key"):
+            raise ValueError(f"answer_key is given, and reward_fn {self.reward_fn} takes no answer_key argument; "
+                             "add one (def reward(sample, answer_key='answer')), or remove answer_key")
+        return self
 
 
 class ModelRewardArgs(PPOExperienceArgs, HFModelArgs):

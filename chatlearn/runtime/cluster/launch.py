@@ -306,7 +306,8 @@ def _launch(prepared: PreparedRun, data_checkpoint_path: str) -> Iterator[tuple[
     producer_cfg = cfg.models[eng.plan.producer]
     key = record_keys(eng.modules[eng.plan.producer], producer_cfg.args_dict or {})
     # model files, records and prompt lengths were checked when the run was prepared, before Ray starts
-    prompts, eval_prompts = list(prepared.data.prompts), list(prepared.data.eval_prompts)
+    # lazy sequences (chatlearn.data.records): a large table travels to the actors as its file paths
+    prompts, eval_prompts = prepared.data.prompts, prepared.data.eval_prompts
     if prompts and producer_cfg.batch_generation.ranking:
         prompts = rank_prompts(prompts, rt.sample_per_episode, key[0])
     build_local_model_files(cfg, eng.modules)
