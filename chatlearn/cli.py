@@ -97,7 +97,7 @@ def _announce(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def cmd_eval(items: list[str]) -> int:
+def cmd_eval(items: list[str], verbose: bool = False) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
     from chatlearn.runtime.cluster.launch import check_local_placement
     from chatlearn.runtime.engine import engine_of, resolve_engine
@@ -110,19 +110,21 @@ def cmd_eval(items: list[str]) -> int:
     # model paths, data, prompt lengths: errors before the Prefect server or Ray start
     prepared = prepare_run(cfg, resolved=resolved)
     # eval writes run_dir/eval.json: one command per run directory, as for train (RunError naming the holder)
-    with lock_run_dir(cfg.runtime.run_dir), run_log(cfg.runtime.run_dir), local_prefect_api(announce=_announce):
+    with lock_run_dir(cfg.runtime.run_dir), run_log(cfg.runtime.run_dir, verbose), \
+            local_prefect_api(announce=_announce):
         metrics = engine_of(prepared.engine).eval(prepared)
     print(json.dumps(metrics, indent=1, default=str))
     return 0
 
 
-def cmd_train(items: list[str]) -> int:
+def cmd_train(items: list[str], verbose: bool = False) -> int:
     # lazy: torch, Ray and Prefect load only for the commands that run something (see the module docstring)
     from chatlearn.checkpoint.resume import checkpoint_dirs
     from chatlearn.runtime.cluster.launch import check_local_placement
     from chatlearn.runtime.engine import engine_of, resolve_engine
     from chatlearn.runtime.prepared import prepare_run
     from chatlearn.runtime.records.prefect_server import local_prefect_api
+    from chatlearn.runtime.records.reporting import summary_text
 
     cfg = _load(items)
     node = dlc_node(cfg.runtime_env.platform)
@@ -145,12 +147,15 @@ def cmd_train(items: list[str]) -> int:
     # one run per run directory, taken before the Prefect server starts (the train flow re-enters it in this
     # process); the run and checkpoint directories are checked writable here too
     # run_log: the run's log file; a RunError's tracebacks go there, not to the terminal
-    with lock_run_dir(cfg.runtime.run_dir, checkpoint_dirs(cfg)), run_log(cfg.runtime.run_dir), _dlc_head(node), \
-            local_prefect_api(announce=_announce):
+    with lock_run_dir(cfg.runtime.run_dir, checkpoint_dirs(cfg)), run_log(cfg.runtime.run_dir, verbose), \
+            _dlc_head(node), local_prefect_api(announce=_announce):
         result = engine_of(prepared.engine).learn(prepared)
-    print(f"run directory: {cfg.runtime.run_dir}", file=sys.stderr)
-    if result.get("final_policy"):
-        print(f"final policy: {result['final_policy']}", file=sys.stderr)
+    if result.get("summary"):
+        print(summary_text(result), file=sys.stderr)
+    else:  # a run that was already complete: its summary.json predates the summary
+        print(f"run directory: {cfg.runtime.run_dir}", file=sys.stderr)
+        if result.get("final_policy"):
+            print(f"final policy: {result['final_policy']}", file=sys.stderr)
     return 0
 
 
@@ -385,6 +390,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--evaluate", action="store_true",
                            help="also register an eval deployment that an automation starts when a run of this "
                                 "deployment completes, evaluating its final/policy")
+        if name in ("train", "eval"):
+            p.add_argument("--verbose", action="store_true",
+                           help="also show Prefect's log lines (each flow and task run beginning and finishing) on "
+                                "the terminal; they always go to the UI and run_dir/chatlearn.log")
         if name == "train":
             p.add_argument("--resume-with-changes", action="store_true",
                            help="continue the run in its run directory although this config differs from the one "
@@ -429,7 +438,7 @@ def _main(argv: list[str] | None) -> int:
         # SIGTERM / Ctrl-C stop within seconds from here on, start-up included, with one line, leaving nothing of
         # the run running (the Prefect server it started, Ray, the model processes: chatlearn.runtime.calls.stopping)
         with stop_on_signals():
-            return {"train": cmd_train, "eval": cmd_eval}[ns.command](ns.args)
+            return {"train": cmd_train, "eval": cmd_eval}[ns.command](ns.args, verbose=ns.verbose)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (chatlearn.runtime.calls.stopping.Stopped)
         return _stopped(getattr(exc, "signame", "SIGINT"))
     except RunCrashed as exc:  # e.g. the Ray head of the cluster the run joined went away (runtime.cluster.head)

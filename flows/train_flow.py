@@ -51,9 +51,16 @@ from chatlearn.runtime.prepared import PreparedRun, handed_down, prepare_run
 from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.prefect_server import configured_api_url
 from chatlearn.runtime.records.profiling import EpisodeInstruments
-from chatlearn.runtime.records.reporting import EpisodeReporter, RunArtifacts, artifact_key, json_safe
+from chatlearn.runtime.records.reporting import (
+    EpisodeReporter,
+    RunArtifacts,
+    artifact_key,
+    flow_run_url,
+    json_safe,
+    run_summary,
+)
 from chatlearn.runtime.records.run_lock import lock_run_dir
-from chatlearn.runtime.records.run_record import claim_run_dir
+from chatlearn.runtime.records.run_record import claim_run_dir, train_run_name
 from chatlearn.runtime.records.subflows import Subflows
 from chatlearn.runtime.records.trackers import Trackers
 from chatlearn.runtime.weights.sync import sync_routes
@@ -326,7 +333,7 @@ def _show_layouts(cfg: ChatLearnConfig) -> None:
         sys.stderr.write(f"parallel layouts: {', '.join(parts)}\n")
 
 
-train_flow = PrevalidatedFlow(fn=_train, name="chatlearn-train", log_prints=True)
+train_flow = PrevalidatedFlow(fn=_train, name="chatlearn-train", log_prints=True, flow_run_name=train_run_name)
 
 
 def _released_bytes(groups: dict[str, ModelGroup], timeout_s: float | None) -> int:
@@ -347,8 +354,12 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     first = resumed.episode + 1 if resumed is not None else 0
     reporter = EpisodeReporter(cfg, run_dir, first_episode=first)
     trackers = Trackers.open(cfg, run_dir, first_episode=first)  # runtime.log_args_dict: tensorboard, wandb, mlflow
+    ui = flow_run_url()
+    if ui:  # Prefect's own "View at" line is in the log file (chatlearn.runtime.records.console)
+        sys.stderr.write(f"Prefect flow run: {ui}\n")
     for name, link in trackers.links.items():
         sys.stderr.write(f"{name}: {link}\n")
+    tracker_links = trackers.links  # for the run's summary
     artifacts = RunArtifacts(rt.exp_name, run_dir)  # metrics table + curve: one of each per run, kept current
     instruments = EpisodeInstruments.of(rt, groups, first)  # runtime.nsys ranges, runtime.profiler_dir traces
     progress_id = api_link.send(create_progress_artifact, progress=100.0 * first / max(1, rt.num_episode),
@@ -362,7 +373,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
     if resumed is None and rt.enable_eval_before_training and run.eval_dataset_size:
         # ChatLearn 1.0.3's enable_eval_before_training: the baseline the eval curve starts from
         initial_eval = evaluate(run, -1, trained={"iteration": 0})["metrics"]["eval_reward_mean"]
-        print(f"eval before training: eval_reward_mean={initial_eval:.4g}")
+        reporter.write(f"eval before training: eval_reward_mean={initial_eval:.4g}")
     released_before = _released_bytes(groups, run.stage_timeout_s)
     hosts = [h for g in groups.values() for h in g.actors]  # every rank of every model: ChatLearn's episode hooks
     # each episode a subflow run of this flow run, its flow run created one episode ahead (the first: now)
@@ -435,6 +446,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             wait(groups[run.plan.export].heads[0].call.remote("export_hf", str(path)), "export", run.stage_timeout_s)
         last["final_policy"] = str(path)
     last.update(summary_extra or {})  # e.g. the exported model's trainable/total parameters
+    last.update(run_summary(reporter.rows, rt.num_episode, run_dir, tracker_links, ui))
     summary = run_dir / "summary.json"
     with writing("the run summary", summary, cleanup=summary.with_suffix(".json.tmp")):
         summary.with_suffix(".json.tmp").write_text(json.dumps(json_safe(last), default=str, indent=1,

@@ -52,15 +52,29 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
                                              "    return {'eval_results_seen': len(results)}\n")
     out = tmp_path / "out"
 
-    def train(*args):
-        return chatlearn_train(["conf/run.yaml", *SMALL, *args], out, tiny_model_dir, cwd=str(project))
+    def train(*args, **variables):
+        return chatlearn_train(["conf/run.yaml", *SMALL, *args], out, tiny_model_dir, cwd=str(project), **variables)
 
-    first = train("runtime.num_episode=1")
+    first = train("runtime.num_episode=1", PREFECT_LOGGING_LEVEL="INFO")  # Prefect's default, not the suite's
     assert first.returncode == 0, first.stderr[-4000:]
     run_dir = out / "mine"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["episode"], r["reward_mean"], r["eval_results_seen"]) for r in rows] == [(0, 0.25, 128)]
     kept = {p: (run_dir / p).read_bytes() for p in ("metrics.jsonl", "final/policy/model.safetensors")}
+    # the terminal as a user sees it (not a TTY here): no progress bar redraws, none of Prefect's per-flow and
+    # per-task INFO lines (they are in run_dir/chatlearn.log), one line for the episode, a summary to end with
+    assert "\r" not in first.stderr and "episodes:" not in first.stderr
+    assert " | INFO " not in first.stderr and "Finished in state" not in first.stderr, first.stderr[-3000:]
+    assert "prefect.task_runs - Task run " in (run_dir / "chatlearn.log").read_text()
+    assert [line for line in first.stdout.splitlines() if line.startswith("[episode ")] == [
+        line for line in first.stdout.splitlines() if line.startswith("[episode 1/1] reward_mean=0.25 ")]
+    summary = first.stderr.split("run summary\n", 1)[1].splitlines()
+    assert summary[0].split() == ["episodes", "1", "of", "1", "(" + summary[0].split("(")[1].split()[0], "s", "of",
+                                  "episodes)"]
+    assert summary[1].split() == ["reward_mean", "0.25", "(episode", "1)"]
+    assert ["run", "directory", str(run_dir)] in [line.split() for line in summary]
+    assert ["final", "policy", f"{run_dir}/final/policy"] in [line.split() for line in summary]
+    assert any(line.split()[:2] == ["Prefect", "UI"] and "/runs/flow-run/" in line for line in summary)
 
     # the same command again: complete, nothing started or written
     again = train("runtime.num_episode=1")

@@ -140,7 +140,7 @@ def test_a_joined_clusters_grace_is_half_of_rays_own_reconnect_window(monkeypatc
 def test_the_cli_prints_a_crashed_run_as_one_line(monkeypatch, capsys):
     from chatlearn import cli
 
-    def train(items):
+    def train(items, verbose=False):
         raise head.RayHeadGone("the Ray head at 10.0.0.7:6379 went away during episode 3 (...)")
 
     monkeypatch.setattr(cli, "cmd_train", train)

@@ -7,7 +7,9 @@ all of it at once."""
 import asyncio
 import base64
 import json
+import logging
 import math
+import re
 import struct
 
 import pytest
@@ -161,6 +163,15 @@ def test_a_two_episode_run_shows_curves_one_table_and_profiles(prefect_api, ray_
     assert base64.b64decode(curve.data[len(prefix):].split(")", 1)[0]) == png
 
     # one metrics table, one version, updated to both episodes, in the same (train) flow run
+    # the train flow run is named after its exp_name and start time
+    from prefect import get_client
+
+    async def flow_run_name(flow_run_id):
+        async with get_client() as client:
+            return (await client.read_flow_run(flow_run_id)).name
+
+    assert re.fullmatch(r"run-display-\d{8}-\d{6}", asyncio.run(flow_run_name(curve.flow_run_id)))
+
     [table] = artifacts_with_key("run-display-metrics")
     assert table.type == "table" and table.flow_run_id == curve.flow_run_id
     data = json.loads(table.data)
@@ -192,3 +203,72 @@ def test_a_two_episode_run_shows_curves_one_table_and_profiles(prefect_api, ray_
     assert f"mlflow: {mlflow_server}/#/experiments/" in err
     assert "wandb: " in err and not [line for line in err.splitlines() if line.startswith("wandb: ") and
                                      "offline: wandb sync" not in line]  # wandb's own chatter stays off
+
+
+# -- the terminal ------------------------------------------------------------------------------------------
+
+
+def test_prefects_info_lines_stay_off_the_terminal_unless_verbose(tmp_path, monkeypatch, request):
+    from prefect.logging.configuration import ensure_logging_setup
+
+    from chatlearn.runtime.records.console import run_log
+
+    ensure_logging_setup()  # as run_log does first: set up later, it would replace the handler below
+    monkeypatch.setenv("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    prefect_logger = logging.getLogger("prefect")
+    level = prefect_logger.level
+    prefect_logger.setLevel(logging.INFO)  # the suite runs at PREFECT_LOGGING_LEVEL=WARNING
+    request.addfinalizer(lambda: prefect_logger.setLevel(level))
+
+    def shown(verbose):
+        import io
+
+        stream = io.StringIO()
+        console = logging.StreamHandler(stream)
+        root = logging.getLogger()
+        root.addHandler(console)
+        try:
+            with run_log(tmp_path / f"run-{verbose}", verbose=verbose) as path:
+                logging.getLogger("prefect.task_runs").info("Finished in state Completed()")
+                logging.getLogger("prefect.flow_runs").warning("a flow run warning")
+                logging.getLogger("chatlearn").warning("our own line")
+        finally:
+            root.removeHandler(console)
+        return stream.getvalue().splitlines(), path.read_text()
+
+    lines, log = shown(False)
+    assert lines == ["a flow run warning", "our own line"]
+    assert "prefect.task_runs - Finished in state Completed()" in log  # the log file keeps everything
+    assert shown(True)[0] == ["Finished in state Completed()", "a flow run warning", "our own line"]
+
+
+def test_without_a_terminal_each_episode_is_one_line_and_the_run_ends_with_a_summary(tmp_path, capsys):
+    from chatlearn.config import load_config
+    from chatlearn.runtime.records.reporting import EpisodeReporter, run_summary, summary_text
+
+    cfg = load_config(None, ["runtime.num_episode=3", "runtime.log_interval=2"])
+    reporter = EpisodeReporter(cfg, tmp_path)
+    assert not reporter.tty  # pytest's stderr is no terminal
+    for row in ppo_rows(3):
+        reporter.record({**row, "episode_seconds": 2.0, "stage_seconds": {"train": 1.5}})
+    reporter.close()
+    out, err = capsys.readouterr()
+    assert err == ""  # no bar
+    assert out.splitlines() == [
+        "[episode 1/3] reward_mean=0 episode_seconds=2",  # the short line in the bar's place
+        "[episode 2/3] reward_mean=0.1 eval_reward_mean=0.2 kl_mean=0.01 policy_loss=0.5 episode_seconds=2 | "
+        "train=1.50s",
+        "[episode 3/3] reward_mean=0.2 episode_seconds=2"]
+    result = {"final_policy": "/r/final/policy",
+              **run_summary(reporter.rows, 3, tmp_path, {"tensorboard": "tensorboard --logdir /r/tb"}, "http://ui/x")}
+    assert summary_text(result).splitlines() == [
+        "run summary",
+        "  episodes          3 of 3 (6.0 s of episodes)",
+        "  reward_mean       0.2 (episode 3)",
+        "  eval_reward_mean  0.2 (episode 2)",
+        "  kl_mean           0.02 (episode 3)",
+        "  policy_loss       0.5 (episode 3)",
+        f"  run directory     {tmp_path}",
+        "  final policy      /r/final/policy",
+        "  Prefect UI        http://ui/x",
+        "  tensorboard       tensorboard --logdir /r/tb"]

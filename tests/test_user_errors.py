@@ -168,7 +168,7 @@ def test_the_cli_prints_a_run_error_as_one_line_and_a_bug_with_its_traceback(cap
 
     message = 'episode 0, score: reward hook m:f raised ValueError: boom for sample 3 (prompt "max 7 3 ?")'
 
-    def fails(items):
+    def fails(items, verbose=False):
         raise ray_task_error(RunError(message))
 
     monkeypatch.setattr(cli, "cmd_train", fails)
@@ -176,7 +176,7 @@ def test_the_cli_prints_a_run_error_as_one_line_and_a_bug_with_its_traceback(cap
     out = capsys.readouterr()
     assert out.err == f"chatlearn: error: {message}\n" and out.out == ""
 
-    def bug(items):
+    def bug(items, verbose=False):
         raise ZeroDivisionError("ours")
 
     monkeypatch.setattr(cli, "cmd_train", bug)

@@ -41,7 +41,8 @@ FREE_FIELDS = (
     # length of the run, saving, eval and logging
     "runtime.num_episode", "runtime.save_episode_interval", "runtime.max_data_ckpt_nums", "runtime.log_interval",
     "runtime.eval_episode_interval", "runtime.enable_eval_before_training", "runtime.eval_data_path",
-    "runtime.eval_post_process_fn", "runtime.log_args_dict.*", "runtime.enable_resume_training", "runtime.load_data_checkpoint_iteration",
+    "runtime.eval_post_process_fn", "runtime.log_args_dict.*", "runtime.enable_resume_training",
+    "runtime.load_data_checkpoint_iteration",
     "runtime.resume_with_changes", "runtime.data_checkpoint_path", "runtime.output_dir", "runtime.exp_name",
     # diagnostics, fault handling, speed of setup and sync
     "runtime.debug", "runtime.nsys", "runtime.profiler_dir", "runtime.max_restarts", "runtime.stage_timeout_s",

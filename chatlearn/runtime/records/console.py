@@ -69,6 +69,25 @@ class FailureConsoleFilter(logging.Filter):
         return True
 
 
+class QuietConsoleFilter(logging.Filter):
+    """Keeps Prefect's INFO lines (a flow or task run began or finished, where to view it) off the terminal,
+    where they would scroll through the progress bar: they are in the UI and the log file. Its warnings and
+    errors still show; `chatlearn train --verbose` shows everything."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith("prefect")
+
+
+class _LogFormatter(logging.Formatter):
+    """LOG_FORMAT, with the flow or task run a Prefect record is about, as Prefect's console shows it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        task, flow = getattr(record, "task_run_name", None), getattr(record, "flow_run_name", None)
+        run = f"Task run {task!r}" if task else f"Flow run {flow!r}" if flow else None
+        return text.replace(f"{record.name} - ", f"{record.name} - {run} - ", 1) if run else text
+
+
 def _open_log(run_dir: str | os.PathLike) -> logging.FileHandler:
     """A handler appending to ``run_dir/chatlearn.log``; a file in the temporary directory when the run
     directory cannot hold it (the run then fails on that directory with its own error)."""
@@ -79,7 +98,7 @@ def _open_log(run_dir: str | os.PathLike) -> logging.FileHandler:
         fd, path = tempfile.mkstemp(prefix="chatlearn-", suffix=".log")
         os.close(fd)
         handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setFormatter(_LogFormatter(LOG_FORMAT))
     return handler
 
 
@@ -89,9 +108,10 @@ def _console_handlers(root: logging.Logger) -> list[logging.Handler]:
 
 
 @contextlib.contextmanager
-def run_log(run_dir: str | os.PathLike) -> Iterator[Path]:
+def run_log(run_dir: str | os.PathLike, verbose: bool = False) -> Iterator[Path]:
     """While the block runs: every log record also goes to ``run_dir/chatlearn.log`` (yielded), and the console
-    drops what Prefect logs about a user error's failure or a lost model process. An exception holding a user
+    drops what Prefect logs about a user error's failure or a lost model process, and (unless ``verbose``) its
+    INFO lines. An exception holding a user
     error that leaves the block is logged there with its whole traceback (chain included: the user's hook, the
     Ray task, the stage) before it goes on to the CLI, which prints its one line."""
     # lazy: Prefect loads only for the commands that run something. Its logging is set up first: set up after
@@ -101,11 +121,12 @@ def run_log(run_dir: str | os.PathLike) -> Iterator[Path]:
     ensure_logging_setup()
     root = logging.getLogger()
     handler = _open_log(run_dir)
-    console_filter = FailureConsoleFilter()
+    filters: list[logging.Filter] = [FailureConsoleFilter()] + ([] if verbose else [QuietConsoleFilter()])
     consoles = _console_handlers(root)
     root.addHandler(handler)
     for console in consoles:
-        console.addFilter(console_filter)
+        for f in filters:
+            console.addFilter(f)
     try:
         yield Path(handler.baseFilename)
     except Exception as exc:
@@ -115,6 +136,7 @@ def run_log(run_dir: str | os.PathLike) -> Iterator[Path]:
         raise
     finally:
         for console in consoles:
-            console.removeFilter(console_filter)
+            for f in filters:
+                console.removeFilter(f)
         root.removeHandler(handler)
         handler.close()

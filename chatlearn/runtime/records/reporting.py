@@ -50,8 +50,10 @@ class EpisodeReporter:
         with writing("metrics", self.path, cleanup=tmp):  # a full disk: one RunError naming the file
             tmp.write_text("".join(json_line(r) + "\n" for r in self.rows))
             os.replace(tmp, self.path)
+        # without a terminal (CI, nohup, a pipe) no bar: its redraws would fill the log; one line per episode
+        self.tty = sys.stderr.isatty()
         self.bar = tqdm(total=cfg.runtime.num_episode, initial=first_episode, desc="episodes", unit="ep",
-                        file=sys.stderr, dynamic_ncols=True)
+                        file=sys.stderr, dynamic_ncols=True, disable=not self.tty)
 
     def _read_rows(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -78,19 +80,72 @@ class EpisodeReporter:
         self.bar.update(1)
         self.bar.set_postfix(reward=_fmt(metrics.get("reward_mean")), refresh=False)
         episode = metrics["episode"]
+        head = f"[episode {episode + 1}/{self.cfg.runtime.num_episode}] "
         if (episode + 1) % self.log_interval == 0 or "eval_reward_mean" in metrics:
             parts = [f"{k}={_fmt(metrics[k])}" for k in LINE_KEYS if metrics.get(k) is not None]
             stages = " ".join(f"{k}={v:.2f}s" for k, v in metrics.get("stage_seconds", {}).items())
-            self.bar.write(f"[episode {episode + 1}/{self.cfg.runtime.num_episode}] " + " ".join(parts)
-                           + f" | {stages}")
+            self.write(head + " ".join(parts) + f" | {stages}")
+        elif not self.tty:  # the bar's place: one short line
+            self.write(head + " ".join(f"{k}={_fmt(metrics[k])}" for k in ("reward_mean", "episode_seconds")
+                                       if metrics.get(k) is not None))
         for ex in metrics.get("eval_examples", [])[:2]:
-            self.bar.write(f"    eval: {ex['prompt']!r} -> {ex['response']!r} (score {_fmt(ex['score'])})")
+            self.write(f"    eval: {ex['prompt']!r} -> {ex['response']!r} (score {_fmt(ex['score'])})")
+
+    def write(self, line: str) -> None:
+        """A line on the terminal (stdout) above the progress bar."""
+        self.bar.write(line, file=sys.stdout)
 
     def table(self) -> list[dict[str, Any]]:
         return table_rows(self.rows)
 
     def close(self) -> None:
         self.bar.close()
+
+
+SUMMARY_KEYS = ("reward_mean", "eval_reward_mean", "eval_exact_match", "kl_mean", "policy_loss", "value_loss",
+                "dpo_loss", "response_length_mean")
+
+
+def flow_run_url() -> str | None:
+    """The UI address of the flow run this is called in (None outside one, or without a UI)."""
+    from prefect.context import FlowRunContext
+    from prefect.utilities.urls import url_for
+
+    ctx = FlowRunContext.get()
+    return url_for(ctx.flow_run) if ctx is not None and ctx.flow_run is not None else None
+
+
+def run_summary(rows: list[dict[str, Any]], num_episode: int, run_dir: Path, tracker_links: dict[str, str],
+                ui_url: str | None) -> dict[str, Any]:
+    """What the end of a run shows (``summary``, in `summary.json` too): episodes done, each summary metric's
+    last value (with the episode it is from, counted from 1), where the run is, the UI and tracker links."""
+    final: dict[str, Any] = {}
+    for key in SUMMARY_KEYS:
+        for row in reversed(rows):
+            if row.get(key) is not None:
+                final[key] = {"value": row[key], "episode": row["episode"] + 1}
+                break
+    seconds = sum(r.get("episode_seconds") or 0.0 for r in rows)
+    return {"summary": {"episodes": f"{len(rows)} of {num_episode}", "train_seconds": seconds, "final": final,
+                        "run_dir": str(run_dir), "ui": ui_url, "trackers": dict(tracker_links)}}
+
+
+def summary_text(result: dict[str, Any]) -> str:
+    """The short table `chatlearn train` ends with: final metrics, run directory, final policy, UI and tracker
+    links (from the train flow's result)."""
+    summary = result.get("summary") or {}
+    lines: list[tuple[str, str]] = [("episodes", f"{summary.get('episodes', '?')} "
+                                                 f"({summary.get('train_seconds', 0.0):.1f} s of episodes)")]
+    for key, got in (summary.get("final") or {}).items():
+        lines.append((key, f"{_fmt(got['value'])} (episode {got['episode']})"))
+    lines.append(("run directory", summary.get("run_dir") or "?"))
+    if result.get("final_policy"):
+        lines.append(("final policy", result["final_policy"]))
+    if summary.get("ui"):
+        lines.append(("Prefect UI", summary["ui"]))
+    lines += list((summary.get("trackers") or {}).items())
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(["run summary"] + [f"  {k.ljust(width)}  {v}" for k, v in lines])
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

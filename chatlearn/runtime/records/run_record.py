@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -40,6 +41,21 @@ RECORD_NAME = ".flow_run.json"
 # what a run whose process died can be left in; everything else is final (or a Crashed we must not redo)
 NOT_FINAL = [StateType.RUNNING, StateType.PENDING, StateType.SCHEDULED, StateType.PAUSED, StateType.CANCELLING]
 _PAGE = 200  # the API's default page size
+
+
+def train_run_name() -> str:
+    """The name of a train flow run in the UI: its ``exp_name`` and start time (``grpo-demo-20261204-051002``),
+    not Prefect's random pair of words. Called by Prefect inside the new flow run, with its parameters: a
+    config object, the run form's dict, or a path with overrides."""
+    from chatlearn.config import load_config
+
+    params = FlowRunContext.get().parameters if FlowRunContext.get() else {}
+    source = params.get("config") if params.get("config") is not None else params.get("config_path")
+    try:
+        exp_name = load_config(source, list(params.get("overrides") or ())).runtime.exp_name
+    except Exception:  # noqa: BLE001 - a bad config fails the run itself, with its own message; not its name
+        exp_name = "chatlearn-train"
+    return f"{exp_name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 def record_path(run_dir: str | os.PathLike) -> Path:

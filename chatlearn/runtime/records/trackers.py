@@ -103,7 +103,9 @@ class _Wandb:
                               name=logs.wandb_name or exp_name, resume=logs.wandb_resume, config=config,
                               reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
         state["wandb_id"] = self.run.id
-        self.link = self.run.url or f"{self.run.dir} (offline: wandb sync {Path(self.run.dir).parent})"
+        # (the URL of an offline run is a warning on the terminal, not a link)
+        self.link = (f"{self.run.dir} (offline: wandb sync {Path(self.run.dir).parent})" if self.run.offline
+                     else self.run.url)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
