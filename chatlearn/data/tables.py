@@ -31,6 +31,7 @@ BATCH_ROWS = 1000  # rows measured at once where a table's own batches are not u
 # bytes of one record batch converted from parquet: what a conversion or a scan holds at once; and few batch
 # headers, which a memory map's readers touch (each fault maps 64 KB around it, counted in the process's RSS)
 BATCH_BYTES = 4 << 20
+CONVERT_APART_BYTES = 1 << 20  # a larger file is converted into the cache in a child process (`_converted`)
 
 
 def is_table(path: str) -> bool:
@@ -64,15 +65,20 @@ def open_table(path: str) -> Any:
 
 
 def _converted(builder: str, path: str) -> Any:
-    """The file as `datasets` caches it. The first time, the conversion runs in a child process: Arrow's parquet
-    reader holds memory in proportion to the file while it converts (measured: +44 MB peak for a million short
-    rows, whatever the batch size), and the driver must not; the child fails alike on a bad file, and then this
-    process's own call names the error."""
+    """The file as `datasets` caches it. The first time, a file over `CONVERT_APART_BYTES` is converted in a
+    child process: Arrow's parquet reader holds memory in proportion to the file while it converts (measured:
+    +44 MB peak for a 21 MB file of a million short rows, whatever the batch size), and the driver must not;
+    the child fails alike on a bad file, and then this process's own call names the error."""
     import datasets
+    from datasets.table import InMemoryTable
 
     options = _options(builder, path)
+    if builder == "parquet" and "batch_size" not in options and _parquet_rows(path) == 0:
+        # `datasets` refuses a split of no rows; an empty file is "no records", said by the caller
+        return datasets.Dataset(InMemoryTable(_parquet_schema(path).empty_table()), fingerprint="chatlearn-empty")
     prepared = datasets.load_dataset_builder(builder, data_files=path, **options)
-    if not os.path.isfile(os.path.join(prepared.cache_dir, "dataset_info.json")):
+    cached = os.path.isfile(os.path.join(prepared.cache_dir, "dataset_info.json"))
+    if not cached and os.path.getsize(path) > CONVERT_APART_BYTES:
         subprocess.run([sys.executable, "-c", _CONVERT, builder, path, json.dumps(options)], env=os.environ.copy(),
                        stdin=subprocess.DEVNULL, capture_output=True, check=False)
     return datasets.load_dataset(builder, data_files=path, split="train", **options)
@@ -95,9 +101,26 @@ def _options(builder: str, path: str) -> dict[str, Any]:
         meta = pq.ParquetFile(path).metadata
     except (OSError, pa.ArrowException):
         return {}  # `datasets` says what is wrong with it
+    if not meta.num_rows:
+        return {}
     row_bytes = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)) / max(meta.num_rows, 1)
     rows = int(min(max(BATCH_BYTES // max(row_bytes, 1), 100), 100_000))
     return {"batch_size": rows, "writer_batch_size": rows}
+
+
+def _parquet_rows(path: str) -> int | None:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, pa.ArrowException):
+        return None
+
+
+def _parquet_schema(path: str) -> pa.Schema:
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(path)
 
 
 def _kind(path: str) -> str:
