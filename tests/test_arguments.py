@@ -9,7 +9,7 @@ import warnings
 import pytest
 from pydantic import ValidationError
 
-from chatlearn.config.runtime import PartialRolloutConfig
+from chatlearn.config.runtime import LogArgsConfig, PartialRolloutConfig
 from chatlearn.utils.arguments import (
     BatchGenerationConfig,
     ChatLearnConfig,
@@ -126,6 +126,8 @@ DECLARED_EXTRAS = {
         "eval_post_process_fn": None,
         "relay_sample_fn": None,
         "enable_eval_before_training": False,
+        # ChatLearn HEAD's LogConfig (its trackers), plus MLflow's fields
+        "log_args_dict": LogArgsConfig(),
         "max_restarts": 3,
         "stage_timeout_s": 3600.0,
         "resume_with_changes": False,

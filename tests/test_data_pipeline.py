@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from chatlearn.data.batch import collate_samples, split_batch
-from chatlearn.data.prompts import DataError, load_records
+from chatlearn.data.prompts import DataError
+from chatlearn.data.records import load_records
 from chatlearn.data.sampler import episode_prompt_batches, eval_prompt_batches, split_index
 from chatlearn.data.stream import micro_batches, training_batches
 

@@ -1,4 +1,4 @@
-"""Property-based tests of the prompt reader (`chatlearn.data.prompts.load_records`).
+"""Property-based tests of the prompt reader (`chatlearn.data.records.load_records`).
 
 Whatever a file holds (random bytes, random JSON values per line, random .json documents, invalid UTF-8,
 BOMs, empty files, huge lines, deep nesting) the reader returns records or raises a DataError that names the
@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from chatlearn.data.prompts import DataError, load_records
+from chatlearn.data.prompts import DataError
+from chatlearn.data.records import load_records
 
 # no example database: nothing written into the working tree, every run draws afresh (seeded by hypothesis)
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)

@@ -12,7 +12,8 @@ import pytest
 
 from chatlearn.config import ConfigError, EngineChecks, load_config
 from chatlearn.data.preflight import preflight
-from chatlearn.data.prompts import DataError, load_records
+from chatlearn.data.prompts import DataError
+from chatlearn.data.records import load_records
 from tests.conftest import REPO
 
 DEFAULT = os.path.join(REPO, "configs", "default.yaml")

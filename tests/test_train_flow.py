@@ -18,7 +18,7 @@ def rewards_in_process(cfg, evaluation=False):
     """Episode 0's rewards (or the eval set's, before training) computed here, without Ray or Prefect: the same
     prompts in the same generation batches, sampled by the policy module with the run's seed and sample ids
     (or decoded greedily for eval), scored by the reward rule. Returns (scores, exact-match flags)."""
-    from chatlearn.data.prompts import load_records
+    from chatlearn.data.records import load_records
     from chatlearn.data.sampler import episode_prompt_batches, eval_prompt_batches
     from chatlearn.models.hf.policy import PolicyInference
     from chatlearn.models.hf.reward import RuleReward
@@ -207,7 +207,7 @@ def test_chatlearns_custom_flow_example_runs_unchanged(prefect_api, ray_session,
     (the simple path)."""
     import chatlearn
     from chatlearn.config import EngineChecks
-    from chatlearn.data.prompts import load_records
+    from chatlearn.data.records import load_records
     from chatlearn.models.hf.policy import PolicyInference
     from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer as PolicyTrainer
     from chatlearn.models.hf.ppo_trainer import PPOValueTrainer as ValueTrainer

@@ -255,7 +255,8 @@ class RuntimeConfig(Section):
         "(ChatLearn 1.0.3's key and default; 1.0.2 always read in file order)",
     )
     eval_data_path: str | list[str] | None = Field(
-        default=None, description="eval prompts (JSONL or JSON, a path or a list of paths)"
+        default=None,
+        description="eval prompts (JSONL, JSON, parquet, Arrow, CSV or a save_to_disk directory; a path or a list)"
     )
     eval_post_process_fn: str | None = Field(
         default=None,

@@ -9,7 +9,7 @@ policy's tokenizer, the prompt-length check, ranking, rewards) sees the same tex
 from collections.abc import Mapping
 from typing import Any
 
-from chatlearn.data.prompts import DataError
+from chatlearn.data.errors import DataError
 
 __all__ = ["ChatTemplate", "is_chat", "message_problem"]
 

@@ -192,7 +192,7 @@ def _chat_template(cfg: ChatLearnConfig, producer: str, module: Any, budget: _Bu
     if budget is not None:
         tokenizer = budget.tokenizer
     else:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # a chat template without a budget: the producer's tokenizer
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)

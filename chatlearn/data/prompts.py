@@ -12,28 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from chatlearn.utils.errors import UserError
+from chatlearn.data.chat import message_problem
+from chatlearn.data.errors import DataError
+
+__all__ = ["DataError", "load_placed_records", "read_json_records"]
 
 _BOM = b"\xef\xbb\xbf"
 _JSON_SPACE = " \t\r"  # what may surround a JSONL record besides the newline (str.strip() takes more)
-
-
-class DataError(UserError, ValueError):
-    """A prompt file that cannot be used; the message names the file (and line)."""
-
-
-def load_records(paths: str | Sequence[str], required_key: str | Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """All records of one path or a list of paths, in order, as a list (every format of
-    `chatlearn.data.records.read_records`; a run reads them lazily there instead). JSONL: one object per line;
-    JSON: a list.
-
-    With `required_key` (one field name or several), every record must hold a string under each (e.g. the
-    prompt; a DPO pair's chosen and rejected responses), checked here on the driver so the error can name the
-    file and line before any actor starts.
-    """
-    from chatlearn.data.records import read_records  # records reads JSON through this module
-
-    return list(read_records(paths, [required_key] if isinstance(required_key, str) else required_key or []))
 
 
 def load_placed_records(paths: str | Sequence[str], required_key: str | Sequence[str] | None = None,
@@ -155,8 +140,6 @@ def _check_key(rec: dict[str, Any], keys: str | Sequence[str] | None, where: str
 
 def _check_messages(value: list[Any], key: str, where: str) -> None:
     """A prompt given as chat messages: well formed, and text a tokenizer takes (as a string field must be)."""
-    from chatlearn.data.chat import message_problem  # chat imports DataError from here
-
     problem = message_problem(value)
     if problem is not None:
         raise DataError(f"{where}: field {key!r} must be a string or a list of chat messages, it is {problem}")

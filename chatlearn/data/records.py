@@ -25,7 +25,8 @@ from typing import Any, overload
 import numpy as np
 
 from chatlearn.data.chat import ChatTemplate, is_chat
-from chatlearn.data.prompts import DataError, read_json_records
+from chatlearn.data.errors import DataError
+from chatlearn.data.prompts import read_json_records
 from chatlearn.data.tables import BATCH_ROWS, check_columns, is_table, open_table, scan
 
 __all__ = ["SHIP_BY_VALUE_BYTES", "Records", "read_records"]
@@ -86,6 +87,7 @@ class _Table:
 
 def _table_of_arrow(path: str, table: Any, chat: bool) -> _Table:
     """A `_Table` over an in-memory Arrow table (one that travelled by value)."""
+    # datasets: only where a table is read (its import takes about a second)
     import datasets
     from datasets.table import InMemoryTable
 
@@ -228,3 +230,14 @@ def read_records(paths: str | os.PathLike | Sequence[str], keys: Sequence[str] =
         names = ", ".join(paths) or "no prompt file given"
         raise DataError(f"{names}: no records (empty, or blank lines only)")
     return Records(parts)
+
+
+def load_records(paths: str | Sequence[str], required_key: str | Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """All records of one path or a list of paths, in order, as a list (every format of `read_records`; a run
+    reads them lazily there instead). JSONL: one object per line; JSON: a list.
+
+    With `required_key` (one field name or several), every record must hold a string under each (e.g. the
+    prompt; a DPO pair's chosen and rejected responses), checked here on the driver so the error can name the
+    file and line before any actor starts.
+    """
+    return list(read_records(paths, [required_key] if isinstance(required_key, str) else required_key or []))

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from chatlearn.data.prompts import DataError
+from chatlearn.data.errors import DataError
 
 __all__ = ["BATCH_BYTES", "BATCH_ROWS", "TABLE_FORMATS", "check_columns", "is_table", "open_table", "scan"]
 
@@ -69,6 +69,7 @@ def _converted(builder: str, path: str) -> Any:
     child process: Arrow's parquet reader holds memory in proportion to the file while it converts (measured:
     +44 MB peak for a 21 MB file of a million short rows, whatever the batch size), and the driver must not;
     the child fails alike on a bad file, and then this process's own call names the error."""
+    # datasets: only where a table is read (its import takes about a second)
     import datasets
     from datasets.table import InMemoryTable
 
@@ -95,7 +96,7 @@ def _options(builder: str, path: str) -> dict[str, Any]:
     readers touch)."""
     if builder != "parquet":
         return {}
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # parquet files only
 
     try:
         meta = pq.ParquetFile(path).metadata
@@ -109,7 +110,7 @@ def _options(builder: str, path: str) -> dict[str, Any]:
 
 
 def _parquet_rows(path: str) -> int | None:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # parquet files only
 
     try:
         return pq.ParquetFile(path).metadata.num_rows
@@ -118,7 +119,7 @@ def _parquet_rows(path: str) -> int | None:
 
 
 def _parquet_schema(path: str) -> pa.Schema:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # parquet files only
 
     return pq.read_schema(path)
 

@@ -15,6 +15,8 @@ from uuid import UUID
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.context import FlowRunContext
+from prefect.utilities.urls import url_for
 from tqdm import tqdm
 
 from chatlearn.config import ChatLearnConfig
@@ -108,9 +110,6 @@ SUMMARY_KEYS = ("reward_mean", "eval_reward_mean", "eval_exact_match", "kl_mean"
 
 def flow_run_url() -> str | None:
     """The UI address of the flow run this is called in (None outside one, or without a UI)."""
-    from prefect.context import FlowRunContext
-    from prefect.utilities.urls import url_for
-
     ctx = FlowRunContext.get()
     return url_for(ctx.flow_run) if ctx is not None and ctx.flow_run is not None else None
 

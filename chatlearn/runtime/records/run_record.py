@@ -35,6 +35,7 @@ from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Crashed
 
+from chatlearn.config import load_config
 from chatlearn.runtime.records.prefect_server import _alive
 
 RECORD_NAME = ".flow_run.json"
@@ -47,8 +48,6 @@ def train_run_name() -> str:
     """The name of a train flow run in the UI: its ``exp_name`` and start time (``grpo-demo-20261204-051002``),
     not Prefect's random pair of words. Called by Prefect inside the new flow run, with its parameters: a
     config object, the run form's dict, or a path with overrides."""
-    from chatlearn.config import load_config
-
     params = FlowRunContext.get().parameters if FlowRunContext.get() else {}
     source = params.get("config") if params.get("config") is not None else params.get("config_path")
     try:

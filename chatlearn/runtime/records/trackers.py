@@ -14,6 +14,7 @@ same values (resume is exact), so wandb and MLflow skip steps they already have 
 import json
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
@@ -93,7 +94,7 @@ class _Wandb:
 
     def __init__(self, logs: LogArgsConfig, log_dir: Path, config: dict[str, Any], exp_name: str,
                  state: dict[str, Any]):
-        import wandb
+        import wandb  # the trackers extra: optional, and slow to import
 
         path = Path(logs.wandb_dir or log_dir / "wandb")
         path.mkdir(parents=True, exist_ok=True)
@@ -151,9 +152,7 @@ class _Mlflow:
                      if base.startswith("http") else f"{base} run {self.run_id}")
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        import time
-
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # the trackers extra (imported when the tracker started)
 
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, step) for k, v in values.items()]
