@@ -50,7 +50,7 @@ def run_engine(engine: str) -> dict:
         "reward_mean_first": rows[0].get("reward_mean"),
         "reward_mean_last": rows[-1].get("reward_mean"),
         "eval_reward_mean_before_training": rows[0].get("eval_reward_mean_before_training"),
-        "after_episode": last["episode"] + 1,
+        "after_episode": last["episode"],
         "trainable_params": summary.get("trainable_params"),
         "total_params": summary.get("total_params"),
     }

@@ -83,7 +83,7 @@ def main(argv: list[str]) -> dict:
             seen.setdefault(int(m.group(1)), t)
     rows = []
     for r in metrics:
-        k = r["episode"] + 1
+        k = r["episode"]
         stages = sum(r["stage_seconds"].values())
         row = {"n": k, "episode_seconds": r["episode_seconds"], "stage_seconds_sum": stages,
                "overhead": r["episode_seconds"] - stages}

@@ -58,6 +58,7 @@ from chatlearn.runtime.records.reporting import (
     flow_run_url,
     json_safe,
     run_summary,
+    user_row,
 )
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.runtime.records.run_record import claim_run_dir, train_run_name
@@ -429,7 +430,7 @@ def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelG
             if progress_id is not None:
                 api_link.post(update_progress_artifact, progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
             api_link.post(artifacts.update, list(reporter.rows))  # the curve is drawn there too
-            last = metrics
+            last = user_row(metrics)
         failed = False
     finally:
         trackers.close(failed)

@@ -257,4 +257,4 @@ def test_a_grpo_run_on_a_parquet_file_of_chat_prompts(prefect_api, ray_session, 
                 f"models.policy.args_dict.model_path={model}", "runtime.exp_name=parquet-chat")
     train_flow(cfg)
     (row,) = rows_of(tmp_path / "parquet-chat")
-    assert row["episode"] == 0 and row["num_samples"] == 32 and row["train_steps"] >= 1
+    assert row["episode"] == 1 and row["num_samples"] == 32 and row["train_steps"] >= 1

@@ -46,7 +46,7 @@ def test_grpo_two_episodes_and_the_three_sources_of_old_logprobs(prefect_api, ra
     cfg = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32")
     train_flow(cfg)
     rows = rows_of(tmp_path / cfg.runtime.exp_name)
-    assert [r["episode"] for r in rows] == [0, 1]
+    assert [r["episode"] for r in rows] == [1, 2]
     for r in rows:
         assert r["train_steps"] == 1 and r["num_samples"] == 32
         assert 0 <= r["clipfrac"] <= 1 and "kl_loss" in r and "policy_loss" in r
@@ -76,7 +76,7 @@ def test_dpo_two_episodes_learn_the_preference(prefect_api, ray_session, tiny_mo
     cfg = small("dpo", tmp_path, tiny_model_dir, "runtime.sample_per_episode=64")
     result = train_flow(cfg)
     rows = rows_of(tmp_path / cfg.runtime.exp_name)
-    assert [r["episode"] for r in rows] == [0, 1] and rows[1]["consumed_samples"] == 128
+    assert [r["episode"] for r in rows] == [1, 2] and rows[1]["consumed_samples"] == 128
     assert rows[0]["eval_reward_mean_before_training"] == 0.0  # the policy is the reference: no margin
     assert rows[0]["dpo_loss"] < 0.6932  # log 2 at the first step, then lower
     assert rows[1]["eval_preference_accuracy"] > 0.5 and rows[1]["eval_reward_margin"] > 0
@@ -93,7 +93,7 @@ def test_online_dpo_with_lora_two_episodes(prefect_api, ray_session, tiny_model_
     result = train_flow(cfg)
     run_dir = tmp_path / cfg.runtime.exp_name
     rows = rows_of(run_dir)
-    assert [r["episode"] for r in rows] == [0, 1]
+    assert [r["episode"] for r in rows] == [1, 2]
     assert all(r["num_pairs"] > 0 and 0 <= r["pair_accuracy"] <= 1 for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0 < summary["trainable_params"] < summary["total_params"] / 5
@@ -464,7 +464,7 @@ def test_killing_the_workers_that_made_an_episodes_batches_leaves_the_run_undist
     def rows(exp):
         return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
 
-    assert rows("killed") == rows("undisturbed") and [r["episode"] for r in rows("killed")] == [0, 1]
+    assert rows("killed") == rows("undisturbed") and [r["episode"] for r in rows("killed")] == [1, 2]
     expected = load_file(str(tmp_path / "undisturbed" / "final" / "policy" / "model.safetensors"))
     weights = load_file(str(tmp_path / "killed" / "final" / "policy" / "model.safetensors"))
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)

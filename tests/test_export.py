@@ -79,7 +79,7 @@ def make_run(root, model_path: str, lora: dict | None = None, iterations=(1, 2),
         trainer.train_step(micro_batches(it), it)
         trainer.save_checkpoint(it)
         weights[it] = clone(trainer.get_weights())
-        rows.append({"episode": episode, "reward_mean": 0.25 * (episode + 1), "policy_loss": -0.1 * it,
+        rows.append({"episode": episode + 1, "reward_mean": 0.25 * (episode + 1), "policy_loss": -0.1 * it,
                      "iteration": it, "stage_seconds": {"train": 1.5}})
     with open(os.path.join(cfg.runtime.run_dir, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -145,7 +145,7 @@ def test_an_earlier_iteration_exports_that_iterations_weights(full_run, tmp_path
     assert not all(torch.equal(state[k], v) for k, v in last.items())
     front, text = card(tmp_path / "it1")
     assert "# run: ppo_policy, iteration 1" in text
-    assert "trainer iteration 1: episode 1 of the run (`episode: 0` in metrics.jsonl)" in text
+    assert "trainer iteration 1: episode 1 of the run" in text
 
 
 @pytest.mark.parametrize("lora", [LORA, LORA_PART], ids=["every-layer", "part-qkv"])
@@ -190,13 +190,13 @@ def test_the_model_card_holds_the_run_the_iterations_metrics_and_the_config(full
     front, text = card(out)
     assert front == {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": ["chatlearn", "rlhf"]}
     assert "# run: ppo_policy, iteration 2" in text and f"`{full_run['dir']}`" in text
-    assert "episode 2 of the run (`episode: 1` in metrics.jsonl)" in text
+    assert "episode 2 of the run" in text
     assert 'AutoModelForCausalLM.from_pretrained("THIS_DIRECTORY")' in text
     table = dict(re.findall(r"^\| (\S+) \| (.+) \|$", text.split("## Metrics of iteration 2")[1], re.M))
     row = full_run["rows"][1]
     assert table.pop("metric") == "value"
     assert {k: json.loads(v) for k, v in table.items()} == {
-        "episode": 1, "reward_mean": row["reward_mean"], "policy_loss": row["policy_loss"], "iteration": 2,
+        "episode": 2, "reward_mean": row["reward_mean"], "policy_loss": row["policy_loss"], "iteration": 2,
         "stage_seconds.train": 1.5}
     config = yaml.safe_load(text.split("```yaml\n")[1].split("```")[0])
     record = json.load(open(os.path.join(full_run["dir"], "run_config.json")))

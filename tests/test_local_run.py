@@ -228,8 +228,9 @@ def test_sigterm_stops_the_run_and_its_prefect_server_and_keeps_the_last_checkpo
         monkeypatch.setenv(key, local_run["env"][key])
     rows = [json.loads(line) for line in (local_run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
     resumed = resume_point(load_config(None, ARGS))
-    # the stop may land between an episode's metrics row and its checkpoint record: then the one before
-    assert resumed is not None and resumed.episode in (rows[-1]["episode"], rows[-1]["episode"] - 1), resumed
+    # the stop may land between an episode's metrics row and its checkpoint record: then the one before (the
+    # rows count episodes from 1, the record's index from 0)
+    assert resumed is not None and resumed.episode + 1 in (rows[-1]["episode"], rows[-1]["episode"] - 1), resumed
     assert resumed.episode >= 1
-    row = next(r for r in rows if r["episode"] == resumed.episode)
+    row = next(r for r in rows if r["episode"] == resumed.episode + 1)
     assert all(Path(p).is_dir() for p in row["checkpoint_paths"].values())

@@ -204,13 +204,13 @@ def test_metrics_jsonl_is_strict_json(tmp_path):
                                             "kl_mean": None, "stage_seconds": {"score": None}, "pair": [1.0, None],
                                             "np": "tensor(1.)"}
     cfg = load_config(None, ["runtime.num_episode=2", "runtime.log_interval=100"])
-    (tmp_path / "metrics.jsonl").write_text('{"episode": 0, "kl_mean": NaN}\n')  # written by an older version
+    (tmp_path / "metrics.jsonl").write_text('{"episode": 1, "kl_mean": NaN}\n')  # written by an older version
     reporter = EpisodeReporter(cfg, tmp_path, first_episode=1)
     reporter.record({"episode": 1, "reward_mean": 0.25, "eval_reward_mean": NAN, "checkpoint_paths": {}})
     reporter.close()
     rows = [strict_loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"episode": 0, "kl_mean": None},
-                    {"episode": 1, "reward_mean": 0.25, "eval_reward_mean": None, "checkpoint_paths": {}}]
+    assert rows == [{"episode": 1, "kl_mean": None},  # the rows count episodes from 1, the train flow from 0
+                    {"episode": 2, "reward_mean": 0.25, "eval_reward_mean": None, "checkpoint_paths": {}}]
 
 
 # -- a real run ------------------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def test_train_with_a_nan_reward_stops_with_one_line_and_writes_no_nan(prefect_a
     log = (run_dir / "chatlearn.log").read_text()
     assert "Traceback" in log and "nan_hook:reward returned nan" in log  # the details are in the run's log
     rows = [strict_loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["episode"] for r in rows] == [0]  # episode 1 never finished
+    assert [r["episode"] for r in rows] == [1]  # episode 2 never finished
     assert not (run_dir / "final").exists()
     for model in ("ppo_policy", "ppo_value"):  # episode 0's checkpoint (iteration 2) only, every tensor finite
         ckpt = run_dir / "checkpoints" / model

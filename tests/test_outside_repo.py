@@ -59,7 +59,7 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
     assert first.returncode == 0, first.stderr[-4000:]
     run_dir = out / "mine"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["episode"], r["reward_mean"], r["eval_results_seen"]) for r in rows] == [(0, 0.25, 128)]
+    assert [(r["episode"], r["reward_mean"], r["eval_results_seen"]) for r in rows] == [(1, 0.25, 128)]
     kept = {p: (run_dir / p).read_bytes() for p in ("metrics.jsonl", "final/policy/model.safetensors")}
     # the terminal as a user sees it (not a TTY here): no progress bar redraws, none of Prefect's per-flow and
     # per-task INFO lines (they are in run_dir/chatlearn.log), one line for the episode, a summary to end with
@@ -97,7 +97,7 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
     assert longer.returncode == 0, longer.stderr[-4000:]
     assert "resuming after episode 1 (trainer iteration 1" in longer.stderr
     rows2 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows2[0] == rows[0] and [r["episode"] for r in rows2] == [0, 1]
+    assert rows2[0] == rows[0] and [r["episode"] for r in rows2] == [1, 2]
     record = json.loads((run_dir / "run_config.json").read_text())
     assert (record["status"], record["episodes_done"]) == ("finished", 2)
     assert [e["event"] for e in record["history"]] == ["started", "finished", "resumed", "finished"]

@@ -106,7 +106,7 @@ def test_fake_gpu_run_uses_the_planned_devices(one_node_run):
     assert pids["ppo_policy"] == pids["ppo_value"]
     assert plan["reward"]["num_replica"] == 2 and plan["reward"]["replicas"][0][0]["device"] is None
     got = rows(one_node_run)
-    assert [r["episode"] for r in got] == [0, 1] and all(0.0 <= r["reward_mean"] <= 1.0 for r in got)
+    assert [r["episode"] for r in got] == [1, 2] and all(0.0 <= r["reward_mean"] <= 1.0 for r in got)
     # every episode moves the colocated models' weights (and the trainers' optimizer states and grads) out while
     # the others run; the two-node run (no offload) ending equal proves it exact (check_two_nodes)
     handed = [r["handover_mb"] for r in got]
@@ -205,7 +205,7 @@ def test_the_joined_clusters_head_going_away_ends_the_run_in_one_line_and_a_reru
                            capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert re.search(r"resuming after episode \d+ ", rerun.stderr), rerun.stderr[-3000:]
-    assert [r["episode"] for r in rows(run_dir)] == list(range(done + 1))
+    assert [r["episode"] for r in rows(run_dir)] == list(range(1, done + 2))
     assert (run_dir / "final" / "policy" / "model.safetensors").is_file()
 
 

@@ -43,7 +43,7 @@ def test_grpo_with_lora_and_a_tp2_policy_on_the_tied_qwen2(prefect_api, tiny_mod
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "grpo-qwen2"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["episode"] for r in rows] == [0, 1]
+    assert [r["episode"] for r in rows] == [1, 2]
     ranks = json.loads((run / "placement.json").read_text())["ranks"]
     assert [len(rep) for rep in ranks["policy"]] == [2]  # one replica in TP 2
 

@@ -60,8 +60,8 @@ def test_curves_png_is_rewritten_each_episode(tmp_path):
 
 
 def test_the_table_is_json_without_nan():
-    rows = table_rows([{"episode": 0, "reward_mean": float("nan"), "kl_mean": float("inf"), "extra": 1}])
-    assert rows[0]["episode"] == 1 and "extra" not in rows[0]  # the UI counts from 1, as the terminal
+    rows = table_rows([{"episode": 1, "reward_mean": float("nan"), "kl_mean": float("inf"), "extra": 1}])
+    assert rows[0]["episode"] == 1 and "extra" not in rows[0]
     safe = json_safe(rows)
     assert safe[0]["reward_mean"] is None and safe[0]["kl_mean"] is None
     json.loads(json.dumps(safe, allow_nan=False))
@@ -136,7 +136,7 @@ def test_a_two_episode_run_shows_curves_one_table_and_profiles(prefect_api, ray_
     train_flow(cfg)
     run_dir = tmp_path / "run-display"
     rows = rows_of(run_dir)
-    assert [r["episode"] for r in rows] == [0, 1] and "eval_reward_mean" in rows[1] and "kl_mean" in rows[1]
+    assert [r["episode"] for r in rows] == [1, 2] and "eval_reward_mean" in rows[1] and "kl_mean" in rows[1]
 
     # every metric of every episode in each tracker, the episode (from 1) as the step
     tb = tensorboard_scalars(run_dir / "tensorboard")

@@ -286,7 +286,7 @@ def test_a_full_disk_at_the_second_checkpoint_fails_the_run_and_keeps_the_first(
                                 "checkpoints/ppo_"), errors[0]
     assert errors[0].endswith(f"/iter_0000004: {ENOSPC}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["episode"] for r in rows] == [0]
+    assert [r["episode"] for r in rows] == [1]
     for model in ("ppo_policy", "ppo_value"):  # nothing of iteration 4, no temporary directory
         assert sorted(os.listdir(run_dir / "checkpoints" / model)) == ["iter_0000002"]
     assert DataCheckpointStore(str(run_dir / "data_checkpoints")).latest_good().train_iteration == 2

@@ -17,7 +17,8 @@ from chatlearn.runtime.records.trackers import STATE_FILE, Trackers, flat_params
 
 
 def rows(episodes):
-    return [{"episode": e, "reward_mean": 0.25 * e, "kl_mean": float("nan") if e == 1 else 0.01 * e,
+    """Rows as `metrics.jsonl` holds them: the episode counted from 1."""
+    return [{"episode": e, "reward_mean": 0.25 * e, "kl_mean": float("nan") if e == 2 else 0.01 * e,
              "stage_seconds": {"generate": 1.0 + e, "train": 2.0}, "eval_examples_seen": True, "note": "x",
              "checkpoint_paths": ["a"]} for e in episodes]
 
@@ -90,6 +91,7 @@ def mlflow_run(uri, run_id):
 
 def test_a_row_becomes_scalars_and_the_config_dotted_params():
     [row] = rows([2])
+    row["kl_mean"] = 0.02
     assert scalars(row) == {"reward_mean": 0.5, "kl_mean": 0.02, "stage_seconds/generate": 3.0,
                             "stage_seconds/train": 2.0, "eval_examples_seen": 1.0}
     params = flat_params({"runtime": {"seed": 7, "colocation": ["a,b"], "data_path": None}, "models": {}})
@@ -122,27 +124,27 @@ def test_three_trackers_get_every_episode_and_a_resume_continues_their_runs(tmp_
     first = Trackers.open(cfg, run_dir)
     assert set(first.links) == {"tensorboard", "wandb", "mlflow"}
     assert first.links["mlflow"].startswith(f"{mlflow_server}/#/experiments/")
-    for row in rows([0, 1]):
+    for row in rows([1, 2]):
         first.log(row)
     first.close(failed=True)  # the crash
     state = json.loads((run_dir / STATE_FILE).read_text())
     assert state["wandb_step"] == state["mlflow_step"] == state["tensorboard_step"] == 2
 
     again = Trackers.open(cfg, run_dir, first_episode=1)  # resumes from the checkpoint of episode 1
-    for row in rows([1, 2]):
+    for row in rows([2, 3]):
         again.log(row)
     again.close()
     assert json.loads((run_dir / STATE_FILE).read_text())["wandb_id"] == state["wandb_id"]
 
     tb = tensorboard_scalars(run_dir / "tensorboard")
-    assert tb["reward_mean"] == [(1, 0.0), (2, 0.25), (3, 0.5)]
+    assert tb["reward_mean"] == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert [s for s, _ in tb["stage_seconds/generate"]] == [1, 2, 3] and math.isnan(tb["kl_mean"][1][1])
 
     ids, config, history = wandb_history(run_dir / "wandb")
     assert ids == {state["wandb_id"]}  # both starts wrote to one wandb run
     assert config["runtime"]["seed"] == 7 and config["runtime"]["exp_name"] == "tracked"
     assert [h["_step"] for h in history] == [1, 2, 3]
-    assert [h["reward_mean"] for h in history] == [0.0, 0.25, 0.5]
+    assert [h["reward_mean"] for h in history] == [0.25, 0.5, 0.75]
 
     client, run = mlflow_run(mlflow_server, state["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.info.run_name == "tracked"
@@ -150,7 +152,7 @@ def test_three_trackers_get_every_episode_and_a_resume_continues_their_runs(tmp_
     assert run.data.params["runtime.seed"] == "7"
     assert run.data.params["runtime.log_args_dict.enable_mlflow"] == "true"
     got = client.get_metric_history(run.info.run_id, "reward_mean")
-    assert sorted((m.step, m.value) for m in got) == [(1, 0.0), (2, 0.25), (3, 0.5)]
+    assert sorted((m.step, m.value) for m in got) == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "stage_seconds/train")] == [1, 2, 3]
 
 
@@ -192,7 +194,7 @@ def test_a_tracker_that_cannot_start_or_fails_costs_one_warning(tmp_path, caplog
     good = tracker_config(tmp_path / "good")
     trackers = Trackers.open(good, good.runtime.run_dir)
     trackers.trackers.append(Flaky())
-    for row in rows([0, 1, 2]):
+    for row in rows([1, 2, 3]):
         trackers.log(row)
     trackers.close()
     assert Flaky.calls == 1

@@ -92,7 +92,7 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
 
     run_dir = tmp_path / "default"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["episode"] for r in rows] == [0, 1]
+    assert [r["episode"] for r in rows] == [1, 2]
     cfg = load_config(os.path.join(REPO, "configs", "default.yaml"),
                       [f"runtime.output_dir={tmp_path}", f"models.policy.args_dict.model_path={tiny_model_dir}"])
     first, _ = rewards_in_process(cfg)
@@ -235,7 +235,7 @@ def test_chatlearns_custom_flow_example_runs_unchanged(prefect_api, ray_session,
     # learn() prepares the run once (checks with these modules, data read); the flow's call and body take it
     assert len(runs) == 1 and type(runs[0]["ppo_policy"]) is PolicyTrainer
     assert reads == ["engine"]
-    assert result["episode"] == 0 and result["train_steps"] == 1
+    assert result["episode"] == 1 and result["train_steps"] == 1
     # the records given in code were generated on and scored as the policy and the rule do in-process
     first, _ = rewards_in_process(cfg)
     assert result["reward_mean"] == pytest.approx(sum(first) / len(first), abs=1e-6)

@@ -245,7 +245,7 @@ def model_card(*, record: dict[str, Any], run_dir: str, model: str, iteration: i
              "tags": ["chatlearn", *([engine] if engine else []), *(["lora"] if lora else [])]}
     if to == "peft" and base_path:
         front["base_model"] = base_path
-    episode = f"episode {row['episode'] + 1} of the run (`episode: {row['episode']}` in metrics.jsonl)" \
+    episode = f"episode {row['episode']} of the run" \
         if row and isinstance(row.get("episode"), int) else "no episode of metrics.jsonl has this iteration"
     kind = {("hf", False): "a Hugging Face model", ("hf", True): "a Hugging Face model, the LoRA adapters merged "
             "into the base", ("peft", True): "a peft LoRA adapter"}[(to, lora)]

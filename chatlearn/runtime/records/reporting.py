@@ -29,6 +29,12 @@ LINE_KEYS = ["reward_mean", "eval_reward_mean", "eval_exact_match", "eval_prefer
              "response_length_mean", "episode_seconds", "peak_memory_mb"]
 
 
+def user_row(metrics: dict[str, Any]) -> dict[str, Any]:
+    """An episode's metrics as the user sees them (`metrics.jsonl`, `summary.json`, the train flow's result):
+    the episode counted from 1, the eval examples left to the terminal."""
+    return {**{k: v for k, v in metrics.items() if k != "eval_examples"}, "episode": metrics["episode"] + 1}
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -39,15 +45,18 @@ def artifact_key(exp_name: str, what: str) -> str:
 
 
 class EpisodeReporter:
-    """Appends one JSON object per episode to `metrics.jsonl` and shows progress in the terminal."""
+    """Appends one JSON object per episode to `metrics.jsonl` and shows progress in the terminal. A row's
+    `episode` counts from 1, as the terminal, the UI's episode subflows and the trackers do (the train flow's
+    own episode index, ChatLearn's, counts from 0)."""
 
     def __init__(self, cfg: ChatLearnConfig, run_dir: Path, first_episode: int = 0):
-        """`first_episode` > 0 on resume: rows of earlier episodes are kept, later ones (written by the run
-        that crashed after its last checkpoint) are dropped, since those episodes run again."""
+        """`first_episode` (the index the run starts at) > 0 on resume: the rows of the episodes before it are
+        kept, later ones (written by the run that crashed after its last checkpoint) are dropped, since those
+        episodes run again."""
         self.cfg = cfg
         self.log_interval = max(1, cfg.runtime.log_interval or 1)
         self.path = run_dir / "metrics.jsonl"
-        self.rows = [r for r in self._read_rows() if r.get("episode", -1) < first_episode]
+        self.rows = [r for r in self._read_rows() if r.get("episode", first_episode + 1) <= first_episode]
         tmp = self.path.with_suffix(".jsonl.tmp")
         with writing("metrics", self.path, cleanup=tmp):  # a full disk: one RunError naming the file
             tmp.write_text("".join(json_line(r) + "\n" for r in self.rows))
@@ -72,7 +81,7 @@ class EpisodeReporter:
         return artifact_key(self.cfg.runtime.exp_name, what)
 
     def record(self, metrics: dict[str, Any]) -> None:
-        row = {k: v for k, v in metrics.items() if k not in ("eval_examples",)}
+        row = user_row(metrics)
         # a row cut short by a full disk is dropped by the next run's reader (`_read_rows`)
         with writing("metrics", self.path), self.path.open("a") as f:
             f.write(json_line(row) + "\n")
@@ -122,7 +131,7 @@ def run_summary(rows: list[dict[str, Any]], num_episode: int, run_dir: Path, tra
     for key in SUMMARY_KEYS:
         for row in reversed(rows):
             if row.get(key) is not None:
-                final[key] = {"value": row[key], "episode": row["episode"] + 1}
+                final[key] = {"value": row[key], "episode": row["episode"]}
                 break
     seconds = sum(r.get("episode_seconds") or 0.0 for r in rows)
     return {"summary": {"episodes": f"{len(rows)} of {num_episode}", "train_seconds": seconds, "final": final,
@@ -148,10 +157,9 @@ def summary_text(result: dict[str, Any]) -> str:
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The metrics table: one row per episode, counted from 1 as the terminal, the errors and the episode
-    subflows count (`metrics.jsonl` keeps ChatLearn's 0-based index), the metrics line's columns (absent ones
-    are None)."""
-    return [{"episode": r["episode"] + 1, **{k: r.get(k) for k in LINE_KEYS}} for r in rows]
+    """The metrics table: one row per episode (counted from 1, as everywhere the user looks), the metrics
+    line's columns (absent ones are None)."""
+    return [{"episode": r["episode"], **{k: r.get(k) for k in LINE_KEYS}} for r in rows]
 
 
 # Figure size in inches and dots per inch of `curves.png`: 480 x 280 pixels, small enough (tens of kB) to
@@ -161,8 +169,8 @@ CURVE_DPI = 80
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    """(episode numbers counted from 1, values) of the rows that have a finite `key`."""
-    points = [(r["episode"] + 1, float(r[key])) for r in rows
+    """(episode numbers, values) of the rows that have a finite `key`."""
+    points = [(r["episode"], float(r[key])) for r in rows
               if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
     return [x for x, _ in points], [y for _, y in points]
 

@@ -204,8 +204,9 @@ class Trackers:
         return {t.name: t.link for t in self.trackers}
 
     def log(self, row: dict[str, Any]) -> None:
-        """One episode's row (`metrics.jsonl`'s), at step episode + 1; steps a tracker already has are skipped."""
-        step = int(row["episode"]) + 1
+        """One episode's row (`metrics.jsonl`'s), its episode (from 1) the step; steps a tracker already has are
+        skipped."""
+        step = int(row["episode"])
         values = scalars(row)
         for tracker in list(self.trackers):
             key = f"{tracker.name}_step"
