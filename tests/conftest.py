@@ -82,18 +82,37 @@ def tiny_model_dir(tmp_path_factory):
     return str(ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama"))
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory):
-    """configs/tiny_qwen2.yaml's tiny Qwen2 (tied embeddings, 4 heads over 2 KV heads), built once per session;
-    a `chatlearn train` with ``models.X.model_config_file=tiny_qwen2.yaml`` finds it through
-    ``CHATLEARN_TINY_QWEN2_DIR``."""
+def build_tiny(tmp_path_factory, name: str) -> str:
+    """configs/tiny_<name>.yaml's tiny model, built under the session's temporary folder; a `chatlearn train`
+    with ``models.X.model_config_file=tiny_<name>.yaml`` finds it through ``CHATLEARN_TINY_<NAME>_DIR``."""
     import yaml
 
     from chatlearn.models.hf.tiny import ensure_tiny_model
 
-    with open(os.path.join(REPO, "configs", "tiny_qwen2.yaml")) as f:
+    with open(os.path.join(REPO, "configs", f"tiny_{name}.yaml")) as f:
         spec = yaml.safe_load(f)["tiny_model"]
-    return str(ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", spec))
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{name}", spec))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """configs/tiny_qwen2.yaml's tiny Qwen2 (tied embeddings, 4 heads over 2 KV heads), built once per session
+    (``CHATLEARN_TINY_QWEN2_DIR``)."""
+    return build_tiny(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    """configs/tiny_qwen3.yaml's tiny Qwen3 (q/k norms, head_dim 128 over hidden 256, tied embeddings, 4 heads
+    over 2 KV heads), built once per session (``CHATLEARN_TINY_QWEN3_DIR``)."""
+    return build_tiny(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory):
+    """configs/tiny_mistral.yaml's tiny Mistral (8 heads over 2 KV heads, an 8-token sliding window), built once
+    per session (``CHATLEARN_TINY_MISTRAL_DIR``)."""
+    return build_tiny(tmp_path_factory, "mistral")
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,8 @@ from setuptools import find_packages
 from chatlearn.config import ConfigError, configs_dir, default_config_path, load_config, packaged_configs
 from tests.conftest import FAULT_VARIABLES, REPO
 
-RUN_CONFIGS = ["dapo", "default", "dpo", "grpo", "grpo_async", "grpo_gsm8k_qwen", "grpo_math", "online_dpo", "reinforce_pp",
-               "rloo"]
+RUN_CONFIGS = ["dapo", "default", "dpo", "grpo", "grpo_async", "grpo_gsm8k_qwen", "grpo_math", "online_dpo",
+               "reinforce_pp", "rloo"]
 # one episode, small: the run proves the installed package works, not the training
 SMALL = ["runtime.num_episode=1", "runtime.sample_per_episode=16", "runtime.generation_batch_size=16",
          "runtime.train_micro_batch_size=16", "runtime.train_global_batch_size=16", "runtime.eval_episode_interval=0",

@@ -108,12 +108,24 @@ ON_QWEN2 = {"zero2", "tp2", "pp2"}
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_layout_gives_one_process_loss_and_gradients(ray_session, tiny_model_dir, tiny_qwen2_dir, tmp_path,
                                                           layout):
-    path = tiny_qwen2_dir if layout in ON_QWEN2 else tiny_model_dir
+    one_process_step(tiny_qwen2_dir if layout in ON_QWEN2 else tiny_model_dir, layout, tmp_path)
+
+
+# Layouts where another family differs: Qwen3's per-head q/k norms see only a TP rank's heads (their gradients
+# are summed over the TP group); Mistral's sliding window in the pipeline stages' own masks.
+@pytest.mark.integration
+@pytest.mark.parametrize(("arch", "layout"), [("qwen3", "tp2"), ("mistral", "pp2")])
+def test_other_families_layouts_give_one_process_loss_and_gradients(ray_session, request, tmp_path, arch, layout):
+    # sequences of 4 + 20 tokens: longer than Mistral's 8-token window
+    one_process_step(request.getfixturevalue(f"tiny_{arch}_dir"), layout, tmp_path, width=20)
+
+
+def one_process_step(path, layout, tmp_path, width=5):
     shape = {"trainable": True, "cpu_per_process": 1, "args_dict": model_args(path), **LAYOUTS[layout]}
     cfg = config({"ppo_policy": shape}, str(tmp_path))
     single_cfg = config({"ppo_policy": {**shape, "num_cpu": 1, "zero_size": 1, "tensor_model_parallel_size": 1,
                                         "pipeline_model_parallel_size": 1}}, str(tmp_path))
-    data = micro_batches()
+    data = micro_batches(width=width)
     _, want_stats, want = single_process_step(single_cfg, data)
     workers = start(cfg, {"ppo_policy": GradProbe("ppo_policy")})
     try:
@@ -315,7 +327,7 @@ def _default_run(tmp_path, tiny_model_dir, name: str, extra: list[str]) -> list[
                       overrides + extra)
     train_flow(cfg)
     rows = [__import__("json").loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    assert [r["episode"] for r in rows] == [0, 1]
+    assert [r["episode"] for r in rows] == [1, 2]
     return rows
 
 

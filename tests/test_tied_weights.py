@@ -2,8 +2,9 @@
 Llama-3.2-1B) is checkpointed, restored and exported with the tensor stored once and tied again on load.
 
 In-process, no Ray: the tiny Qwen2 of configs/tiny_qwen2.yaml (tied, 4 heads over 2 KV heads) through the real
-modules. Sharded checkpoints, pipeline stages and the TP sync of it run in tests/test_parallel.py, whole runs in
-tests/test_qwen2_runs.py.
+modules; the trainer round trips also on the tied tiny Qwen3 (configs/tiny_qwen3.yaml: q/k norms, head_dim
+apart from hidden_size). Sharded checkpoints, pipeline stages and the TP sync of it run in tests/test_parallel.py,
+whole runs in tests/test_qwen2_runs.py and tests/test_architectures.py.
 """
 
 import json
@@ -100,6 +101,12 @@ def test_memory_shared_in_part_is_stored_apart_and_the_module_keeps_sharing(tmp_
     assert torch.equal(fresh.weight, module.weight) and fresh.row.data_ptr() == fresh.weight[1].data_ptr()
 
 
+@pytest.fixture(params=["qwen2", "qwen3"])
+def tied_dir(request):
+    """A tied tiny model of each family that ties (the session's build)."""
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
 def micro_batches(n: int = 2, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     mask = torch.ones(2, 3)
@@ -117,12 +124,12 @@ def trainer(path: str, out: str, lora: dict | None = None) -> PPOPolicyTrainer:
     return module
 
 
-def test_a_tied_trainer_checkpoints_resumes_bit_exactly_and_exports_tied(tiny_qwen2_dir, tmp_path):
-    first = trainer(tiny_qwen2_dir, str(tmp_path))
+def test_a_tied_trainer_checkpoints_resumes_bit_exactly_and_exports_tied(tied_dir, tmp_path):
+    first = trainer(tied_dir, str(tmp_path))
     first.train_step(micro_batches(seed=0), 0)
     path = first.save_checkpoint(1)
     assert stored(os.path.join(path, "model.safetensors"))[1] == {HEAD: EMBED}
-    again = trainer(tiny_qwen2_dir, str(tmp_path))
+    again = trainer(tied_dir, str(tmp_path))
     again.load_checkpoint(1)
     assert tied(again.model)
     # the restored trainer takes the next step exactly as the one that never stopped (the tie trains as one)
@@ -139,14 +146,14 @@ def test_a_tied_trainer_checkpoints_resumes_bit_exactly_and_exports_tied(tiny_qw
     assert tied(exported) and torch.equal(exported.lm_head.weight, want[HEAD])
 
 
-def test_lora_on_the_tied_model_writes_the_base_once_and_exports_it_merged_and_tied(tiny_qwen2_dir, tmp_path):
+def test_lora_on_the_tied_model_writes_the_base_once_and_exports_it_merged_and_tied(tied_dir, tmp_path):
     lora = {"enable_lora": True, "lora_dim": 4, "lora_layer": "ColumnParallelLinear,RowParallelLinear"}
-    first = trainer(tiny_qwen2_dir, str(tmp_path), lora)
+    first = trainer(tied_dir, str(tmp_path), lora)
     first.train_step(micro_batches(seed=0), 0)
     first.save_checkpoint(1)
     names, header = stored(os.path.join(first.lora_base_dir(), "model.safetensors"))
     assert header == {HEAD: EMBED} and HEAD not in names
-    again = trainer(tiny_qwen2_dir, str(tmp_path), lora)
+    again = trainer(tied_dir, str(tmp_path), lora)
     again.load_checkpoint(1)  # verifies the saved base against its own: equal, and the pair still one tensor
     base = again.model.get_base_model()
     assert tied(base)

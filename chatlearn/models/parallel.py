@@ -103,6 +103,9 @@ class ParallelContext:
     stage: Any = None
     owned: dict[int, set[str]] = field(default_factory=dict)
     shared: set[str] = field(default_factory=set)
+    # tensor parallel: replicated parameters whose gradient each rank computes from its own heads only (Qwen3's
+    # per-head q_norm/k_norm, transformers' "replicated_with_grad_allreduce"): summed over the tp group
+    tp_partial: set[str] = field(default_factory=set)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -158,9 +161,19 @@ class ParallelContext:
     def finish_grads(self, model: torch.nn.Module) -> None:
         """Data parallel next to tensor parallel: sum the local gradients over the ``dp`` group (DDP and FSDP
         have reduced them in the backward already). Pipeline parallel: sum the gradients of parameters several
-        stages use over the stages (:func:`~chatlearn.models.pipeline.sum_shared_grads`)."""
+        stages use over the stages (:func:`~chatlearn.models.pipeline.sum_shared_grads`). Tensor parallel: sum
+        the partial gradients of the replicated per-head parameters (:func:`tp_partial_parameters`) over the
+        ``tp`` group."""
         if self.dims.pp > 1 and self.shared:
             sum_shared_grads(model, self, self.shared)
+        if self.tp_partial:
+            partial = [p for n, p in model.named_parameters() if n in self.tp_partial and p.grad is not None]
+            if partial:
+                grads = [_local(p.grad) for p in partial]
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=self.dim_groups["tp"])
+                for g, s in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                    g.copy_(s)
         if self.dims.dp == 1 or getattr(model, "_chatlearn_reduces_grads", False):
             return
         params = [p for p in model.parameters() if p.requires_grad]
@@ -210,6 +223,18 @@ def tp_plan(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+def tp_partial_parameters(model: torch.nn.Module) -> set[str]:
+    """Names of the parameters that the plan keeps whole on every tensor-parallel rank but whose gradient each
+    rank only has a part of: those of modules planned ``replicated_with_grad_allreduce`` (Qwen3's
+    ``q_norm``/``k_norm`` normalize each head, and a rank holds only its own heads)."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "backbone", None), "config", None)
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    patterns = [re.compile(r"(^|\.)" + re.escape(k).replace(r"\*", r"\d+") + "$")
+                for k, v in plan.items() if v == "replicated_with_grad_allreduce"]
+    return {f"{name}.{p}" if name else p for name, module in model.named_modules()
+            if any(pattern.search(name) for pattern in patterns) for p, _ in module.named_parameters(recurse=False)}
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for name, m in model.named_modules() if re.search(r"(^|\.)layers\.\d+$", name)]
 
@@ -230,6 +255,8 @@ def parallelize(model: torch.nn.Module, ctx: "ParallelContext | None", trainable
         return model
     if dims.tp > 1:
         parallelize_module(model, ctx.mesh("tp"), tp_plan(model))
+        if trainable:
+            ctx.tp_partial = tp_partial_parameters(model)
     if not trainable:
         if dims.data_ranks > 1:
             raise ValueError("an inference replica has no data-parallel ranks (zero_size is for trainers)")

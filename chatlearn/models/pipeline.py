@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 __all__ = ["LMStage", "PipelinedLM", "gather_stages", "pipeline_train", "pipelined_logits", "shared_parameters",
            "stage_layers", "stage_parameters", "sum_shared_grads"]
@@ -48,11 +48,16 @@ class LMStage(torch.nn.Module):
         """``attention_mask`` None: a packed row (its sequences told apart by their restarting ``position_ids``,
         :mod:`chatlearn.models.hf.packing`)."""
         h = self.embed_tokens(x) if self.first else x
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask, cache=None,
-                                  position_ids=position_ids)
+        masks: dict[str, Any] = {}  # by attention type: a sliding-window layer (Mistral's) sees only its window
         pe = self.rotary_emb(h, position_ids=position_ids)
         for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=position_ids)
+            kind = getattr(layer, "attention_type", None) or (
+                "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention")
+            if kind not in masks:
+                make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+                masks[kind] = make(config=self.config, inputs_embeds=h, attention_mask=attention_mask, cache=None,
+                                   position_ids=position_ids)
+            h = layer(h, attention_mask=masks[kind], position_embeddings=pe, position_ids=position_ids)
         if self.last:
             h = self.lm_head(self.norm(h))
         return h

@@ -7,6 +7,7 @@ the same forwards run padding-free (:mod:`chatlearn.models.hf.packing`) and give
 per-token values (:class:`ResponseTokens`).
 """
 
+import json
 import os
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
@@ -39,7 +40,7 @@ class HFModelArgs(BaseModel):
     )
     tiny_model: dict | None = Field(
         None, description="spec of the tiny model built at tiny_model_path (chatlearn.models.hf.tiny.TinyModelSpec "
-        "fields, e.g. architecture: llama (default) or qwen2; default: its defaults)"
+        "fields, e.g. architecture: llama (default), qwen2, qwen3 or mistral; default: its defaults)"
     )
     temperature: float = Field(1.0, gt=0, description="sampling temperature (also used for log-probs)")
     dtype: str = Field("float32", description="torch dtype of the weights")
@@ -69,6 +70,17 @@ def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model_path {path!r} is not a directory")
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The attention window of ``model`` (Mistral's ``sliding_window``: each token sees that many positions), or
+    None when its attention is not windowed (Qwen2/Qwen3 keep a ``sliding_window`` that only acts with
+    ``use_sliding_window``; their configs then hold None)."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "backbone", None), "config", None)
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window) if window else None
 
 
 def full_sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -262,6 +274,31 @@ def model_path_problems(args: HFModelArgs, owner: str) -> list[str]:
     return []
 
 
+def tensor_parallel_problems(args: HFModelArgs, module_args: ModelConfig) -> list[str]:
+    """``tensor_model_parallel_size`` against the heads of the model at ``model_path`` (read from its
+    config.json): tensor parallel splits the attention by whole heads, so the size must divide the query heads
+    and the key/value heads (a rank holding half a head fails in the attention's reshape, or computes another
+    model)."""
+    tp = int(getattr(module_args, "tensor_model_parallel_size", 1) or 1)
+    if tp <= 1 or not args.model_path:
+        return []
+    try:
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return []  # model_path_problems said what is wrong with the directory
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    problems = []
+    for field, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if isinstance(count, int) and count % tp:
+            problems.append(f"tensor_model_parallel_size: {tp} does not divide the {count} {field} of "
+                            f"{args.model_path!r} (tensor parallel gives each rank whole heads); use a divisor of "
+                            f"{count}")
+    return problems
+
+
 class HFModule(TorchModule):
     """A built-in module on a Hugging Face model at `args_dict.model_path` (built first when it is the
     embedded tiny model)."""
@@ -290,6 +327,11 @@ class HFModule(TorchModule):
             else:  # a value network's head stays fp32: it reads the backbone's states upcast
                 getattr(self.model, "backbone", self.model).to(torch.bfloat16)
         if self.packing:  # the attention that keeps packed sequences apart (padded calls are SDPA's, exactly)
+            if (window := sliding_window(self.model)) is not None:
+                raise ValueError(
+                    f"models.{self.name}.packing: true is not supported for a sliding-window model "
+                    f"({self.args.model_path}: sliding_window {window}): the packed attention is full causal "
+                    "attention; set packing: false")
             use_packed_attention(self.model)
         super().parallelize()
 
@@ -300,4 +342,5 @@ class HFModule(TorchModule):
         """Problems with the model files the config names (``"args_dict.<field>: ..."``), found by the preflight
         (`chatlearn.data.preflight`) before any Prefect or Ray resource exists; builds the tiny model where the
         config asks for it, as `prepare_files` does."""
-        return model_path_problems(self.args_schema.model_validate(module_args.args_dict or {}), type(self).__name__)
+        args = self.args_schema.model_validate(module_args.args_dict or {})
+        return model_path_problems(args, type(self).__name__) or tensor_parallel_problems(args, module_args)

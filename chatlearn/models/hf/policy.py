@@ -12,6 +12,7 @@ from chatlearn.models.hf.common import (
     load_causal_lm,
     load_tokenizer,
     response_logprobs,
+    sliding_window,
 )
 from chatlearn.models.hf.rollout import (
     GPU_ONLY_ROLLOUT_ENGINES,
@@ -112,6 +113,11 @@ class PolicyInference(HFModule):
         ensure_model_files(self.args)
         self.tokenizer = load_tokenizer(self.args.model_path)
         self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).eval()
+        if self.runtime_args.rollout_engine == "continuous" and (window := sliding_window(self.model)) is not None:
+            # its slot cache keeps every position and masks them all alike (no per-row window)
+            raise ValueError(
+                f"runtime.rollout_engine: 'continuous' does not support the sliding-window attention of "
+                f"models.{self.name} ({self.args.model_path}: sliding_window {window}); use rollout_engine: hf")
         self.parallelize()
 
     def build_dataset(self, prompts, is_eval=False):
