@@ -25,7 +25,8 @@ from tests.conftest import REPO
 LAYERS = [
     ["chatlearn.utils"],
     ["chatlearn.config"],
-    ["chatlearn.utils.arguments", "chatlearn.algorithms", "chatlearn.data", "chatlearn.checkpoint", "chatlearn.tasks"],
+    ["chatlearn.utils.arguments", "chatlearn.algorithms", "chatlearn.data", "chatlearn.checkpoint", "chatlearn.tasks",
+     "chatlearn.tools"],
     ["chatlearn.models"],
     ["chatlearn.runtime"],
     ["chatlearn"],

@@ -293,11 +293,15 @@ def test_isolation_is_reported_and_can_be_required():
 
 
 def test_this_machine_enforces_everything(isolation):
-    # measured here (root in a container with CAP_SYS_ADMIN); where this fails, the report says what is missing
+    # measured on the development machine (root in a container with CAP_SYS_ADMIN). A machine without namespaces
+    # (Docker's default capabilities) skips, naming what is missing: the tests of each protection above skip
+    # alike, and Sandbox(require=...) refuses to run there. CHATLEARN_SANDBOX_REQUIRED=1 makes it a failure.
     if os.geteuid() != 0:
         pytest.skip("the driver is not root: the uid drop cannot hold")
-    assert {k: v for k, v in isolation.items() if k != "user_namespace"} == {
-        k: True for k in isolation if k != "user_namespace"}
+    missing = sorted(k for k, v in isolation.items() if k != "user_namespace" and not v)
+    if missing and not os.environ.get("CHATLEARN_SANDBOX_REQUIRED"):
+        pytest.skip(f"this machine cannot enforce: {', '.join(missing)}")
+    assert missing == []
 
 
 # ---------------------------------------------------------------- the registry
