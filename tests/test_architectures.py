@@ -155,18 +155,24 @@ RUNS = {"ppo": ("configs/default.yaml", ("policy", "reference", "value", "ppo_po
         "grpo": ("configs/grpo.yaml", ("policy", "reference", "ppo_policy"))}
 
 
+# every family, PPO and GRPO; Qwen2's GRPO with LoRA and a TP 2 policy is tests/test_qwen2_runs.py's run
+PAIRS = [(arch, algorithm) for arch in ("qwen3", "mistral", "qwen2", "llama") for algorithm in RUNS
+         if (arch, algorithm) != ("qwen2", "grpo")]
+FIXTURES = {"llama": "tiny_model_dir"}  # the default's Llama; the others tiny_<arch>_dir
+ENV = {"llama": "CHATLEARN_TINY_MODEL_DIR"}
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("algorithm", list(RUNS))
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize(("arch", "algorithm"), PAIRS)
 def test_two_episodes_with_lora_and_a_tp2_policy(prefect_api, request, tiny_model_dir, tmp_path, arch, algorithm):
-    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    path = request.getfixturevalue(FIXTURES.get(arch, f"tiny_{arch}_dir"))
     config, models = RUNS[algorithm]
     exp = f"{algorithm}-{arch}"
     args = [config, *SMALL, f"runtime.exp_name={exp}",
             *(f"models.{m}.model_config_file=tiny_{arch}.yaml" for m in models),
             *(f"models.{m}.cpu_per_process=1" for m in (*models, "reward"))]
     start = time.monotonic()
-    res = chatlearn_train(args, tmp_path, tiny_model_dir, **{f"CHATLEARN_TINY_{arch.upper()}_DIR": path})
+    res = chatlearn_train(args, tmp_path, tiny_model_dir, **{ENV.get(arch, f"CHATLEARN_TINY_{arch.upper()}_DIR"): path})
     print(f"{exp}: {time.monotonic() - start:.1f} s")
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / exp
