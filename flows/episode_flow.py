@@ -83,6 +83,7 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
     if ck["partial_rollouts"]:
         metrics["partial_rollouts"] = ck["partial_rollouts"]
     metrics.update(gen.meta.get("partial", {}))
+    metrics.update(gen.meta.get("agent", {}))
     if "sampling_rounds" in gen.meta:
         metrics["dynamic_sampling_rounds"] = gen.meta["sampling_rounds"]
     timing = {"generate": gen.meta["seconds"], "score": exp.meta["seconds"], "train": tr["seconds"],

@@ -36,6 +36,7 @@ from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.runtime.weights.versions import generation_version, policy_turn
 from chatlearn.utils.errors import RunError, find_run_error
 from chatlearn.utils.storage import writing
+from flows.agent_turns import run_conversations
 from flows.model_calls import Batches, run_calls
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -117,13 +118,16 @@ def generate(run: RunHandle, episode: int, consumed_samples: int, sampling_round
                       rounds=rounds)
     with policy_turn(run.versions, flow.producer.model, version, clock):
         done = run_calls(run, flow, [0], {}, batches, clock)
-    refs, partial = done[0].refs, {}
+    refs, partial, agent = done[0].refs, {}, {}
+    if run.agent is not None:  # multi-turn: the environments answer, the policy goes on, until each conversation ends
+        refs, agent = run_conversations(run, flow, refs, batches, clock)
     if run.partial is not None:  # what finished goes on to scoring, by whole prompt groups; the rest waits
         produced = [s for batch in clock.get(refs, flow.producer.model) for s in split_batch(batch)]
         released, partial = run.partial.settle(episode, produced)
         refs = [ray.put(collate_samples(b, run.pad_token_id)) for b in released]
     return RefBox(refs, seconds=clock.seconds(), num_batches=len(refs), num_samples=num_samples,
-                  first_iteration=first_iteration, episode=episode, first_sample_id=consumed_samples, partial=partial)
+                  first_iteration=first_iteration, episode=episode, first_sample_id=consumed_samples, partial=partial,
+                  agent=agent)
 
 
 @task(name="score", cache_policy=NO_CACHE)
@@ -242,11 +246,19 @@ def evaluate(run: RunHandle, episode: int, synced: dict | None = None, trained: 
     batches = Batches(len(prompts), 0, prompts, is_eval=True, episode_start=0)
     # pipelined: on the weights this episode trained, while the next episodes generate on older ones
     with policy_turn(run.versions, flow.producer.model, episode + 1, clock):
-        done = run_calls(run, flow, list(range(len(flow.nodes))), {}, batches, clock)
+        if run.agent is None:
+            done = run_calls(run, flow, list(range(len(flow.nodes))), {}, batches, clock)
+        else:  # multi-turn: the conversations end before the evaluator's other calls score them
+            refs, agent = run_conversations(run, flow, run_calls(run, flow, [0], {}, batches, clock)[0].refs,
+                                            batches, clock, is_eval=True)
+            done = run_calls(run, flow, list(range(1, len(flow.nodes))), {0: RefBox(refs)},
+                             Batches(len(refs), 0, is_eval=True, episode_start=0), clock)
     outputs = [clock.get(done[i].refs, flow.nodes[i].name) for i in flow.outputs()]
     results = eval_results([merge_batches(*parts) for parts in zip(*outputs, strict=True)])
     context = {"episode_iteration": episode, "train_iteration": (trained or {}).get("iteration")}
     metrics = eval_metrics(results, context, run.eval_post_process_fn)
+    if run.agent is not None:  # how the eval conversations went
+        metrics.update({f"eval_{k}": agent[k] for k in ("turns_mean", "tool_calls_mean", "tool_errors")})
     examples = [{"prompt": r.get("prompt"), "response": r.get("response"), "score": r.get("scores")}
                 for r in results[:8]]
     api_link.post(create_table_artifact, key=artifact_key(run.exp_name, "eval-examples"), table=examples,

@@ -468,3 +468,51 @@ def test_killing_the_workers_that_made_an_episodes_batches_leaves_the_run_undist
     expected = load_file(str(tmp_path / "undisturbed" / "final" / "policy" / "model.safetensors"))
     weights = load_file(str(tmp_path / "killed" / "final" / "policy" / "model.safetensors"))
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+
+
+def test_multi_turn_grpo_steps_environments_as_task_runs_and_resumes_bit_identical(prefect_api, ray_session,
+                                                                                   tiny_model_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """configs/agent_higher_lower.yaml (runtime.task_type: agent) for two episodes: the conversations run over
+    several turns (each environment step an `env-step` task run of its episode in the API), the episode rows carry
+    the agent metrics; a `chatlearn train` process SIGKILLed between two turns of episode 2's conversations, then
+    the same run again: the uninterrupted run's final policy and rows, bit for bit."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+
+    timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths",
+              "env_seconds", "agent_seconds")
+    train_here("agent_higher_lower", tmp_path, "agent-ref", tiny_model_dir, monkeypatch)
+    ref = rows_of(tmp_path / "agent-ref")
+    assert len(ref) == 2
+    for row in ref:
+        assert 1.0 < row["turns_mean"] <= 4.0 and row["tool_calls_mean"] == 0.0 and row["tool_errors"] == 0.0
+        assert row["env_seconds"] > 0 and 0.0 <= row["env_reward_mean"] <= 1.0
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
+            any_=["episode-1"]))) if r.parameters.get("run", {}).get("exp_name") == "agent-ref"]
+        assert len(runs) == 1
+        deadline = time.monotonic() + 30
+        while True:
+            steps = {t.name: t for t in client.read_task_runs(flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[runs[0].id]))) if t.name.startswith("env-step-")}
+            if "env-step-turn-2-batch-0" in steps or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    # two batches of 16 conversations, each stepped after every turn while any of them goes on
+    assert {"env-step-turn-1-batch-0", "env-step-turn-1-batch-1", "env-step-turn-2-batch-0"} <= set(steps)
+    assert all(t.state_type.value == "COMPLETED" for t in steps.values())
+    killed = train_engine("agent_higher_lower", tmp_path, "agent-killed", tiny_model_dir, crash="agent_turn_2:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    capsys.readouterr()
+    train_here("agent_higher_lower", tmp_path, "agent-killed", tiny_model_dir, monkeypatch)
+    again = capsys.readouterr().err
+    assert "resuming after episode 1 " in again, again[-3000:]
+    expected = load_file(str(tmp_path / "agent-ref" / "final" / "policy" / "model.safetensors"))
+    weights = load_file(str(tmp_path / "agent-killed" / "final" / "policy" / "model.safetensors"))
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+
+    def rows(exp):
+        return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
+
+    assert rows("agent-killed") == rows("agent-ref")

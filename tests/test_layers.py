@@ -4,7 +4,7 @@ Layers, lowest first (a module may import its own layer and the ones below):
 
     chatlearn.utils            helpers with no project imports
     chatlearn.config           the config: schema, loader, checks
-    algorithms, data, checkpoint, tasks, and chatlearn.utils.arguments (ChatLearn's path to the config)
+    algorithms, data, checkpoint, tasks, tools, envs, and chatlearn.utils.arguments (ChatLearn's path to the config)
     chatlearn.models           ChatLearn's module API and the built-in Hugging Face modules
     chatlearn.runtime          actors, model groups, launch, plan, engines
     chatlearn                  the package's face
@@ -26,7 +26,7 @@ LAYERS = [
     ["chatlearn.utils"],
     ["chatlearn.config"],
     ["chatlearn.utils.arguments", "chatlearn.algorithms", "chatlearn.data", "chatlearn.checkpoint", "chatlearn.tasks",
-     "chatlearn.tools"],
+     "chatlearn.tools", "chatlearn.envs"],
     ["chatlearn.models"],
     ["chatlearn.runtime"],
     ["chatlearn"],

@@ -32,6 +32,7 @@ import torch
 from chatlearn.algorithms.grpo import by_group, group_advantages_by_id
 from chatlearn.algorithms.ppo import discounted_returns, gae_advantages_and_returns, outcome_rewards
 from chatlearn.algorithms.registry import get_kl_estimator, register_advantage_estimator
+from chatlearn.data.batch import loss_mask
 
 __all__ = ["dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "DEFAULT_KL_COEF"]
 
@@ -49,7 +50,7 @@ def _reward_kl(batch: dict[str, Any], args: Any, coef: float) -> torch.Tensor | 
     """The per-token KL of ``args.kl_estimator`` (k1 by default), 0 at padding; None without a penalty."""
     if coef <= 0:
         return None
-    mask = batch["response_mask"].bool()
+    mask = loss_mask(batch).bool()  # not at a multi-turn sample's observations, which the policy did not write
     kl = get_kl_estimator(getattr(args, "kl_estimator", None) or "k1")(batch["logprobs"], batch["ref_logprobs"])
     return torch.where(mask, kl, torch.zeros((), dtype=kl.dtype)).detach()
 
@@ -57,7 +58,7 @@ def _reward_kl(batch: dict[str, Any], args: Any, coef: float) -> torch.Tensor | 
 def _reported_kl(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The policy-reference log-ratio on response tokens, reported (not a penalty) when both are in the batch."""
     if "ref_logprobs" in batch and "logprobs" in batch:
-        return {"kl": (batch["logprobs"] - batch["ref_logprobs"]) * batch["response_mask"]}
+        return {"kl": (batch["logprobs"] - batch["ref_logprobs"]) * loss_mask(batch)}
     return {}
 
 
@@ -87,7 +88,7 @@ def gae(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     critic's values.
 
     Returns ``rewards``, ``kl``, ``advantages`` and ``returns``, each ``[B, T]`` and 0 at padding."""
-    mask = batch["response_mask"]
+    mask = batch["response_mask"]  # GAE runs over the whole trajectory, observations included (their reward is 0)
     coef = kl_coef(args, "gae")
     kl = _reward_kl(batch, args, coef)
     if kl is None:  # no penalty: the k1 log-ratio is still reported
@@ -123,7 +124,7 @@ def rloo(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
 
 
 def _reinforce(batch: dict[str, Any], args: Any, scores: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
-    mask, coef = batch["response_mask"], kl_coef(args, name)
+    mask, coef = loss_mask(batch), kl_coef(args, name)
     kl = _reward_kl(batch, args, coef)
     penalty = None if kl is None else -coef * kl
     rewards = outcome_rewards(scores, mask, penalty)

@@ -22,11 +22,13 @@ from typing import NamedTuple
 
 import torch
 
+from chatlearn.data.batch import loss_mask
+
 __all__ = ["LOSS_AGGREGATIONS", "POLICY_LOSS_AGGREGATIONS", "GlobalMean", "aggregate_loss", "global_mean", "units"]
 
 
 def _response_tokens(mb: dict) -> float:
-    return float(mb["response_mask"].sum())
+    return float(loss_mask(mb).sum())
 
 
 def _sequences(mb: dict) -> float:
@@ -35,7 +37,7 @@ def _sequences(mb: dict) -> float:
 
 def _answered(mb: dict) -> float:
     # a sequence with no response token adds nothing to a sequence mean, as in verl's agg_loss
-    return float((mb["response_mask"].sum(-1) > 0).sum())
+    return float((loss_mask(mb).sum(-1) > 0).sum())
 
 
 # the unit each named aggregation averages over, counted in one micro-batch

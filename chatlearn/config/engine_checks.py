@@ -82,6 +82,7 @@ class EngineChecks:
         problems += _pipelined(cfg, name, spec)
         problems += _partial_rollout(cfg, name, spec, self.modules)
         problems += _dynamic_sampling(cfg, name, spec, self.modules)
+        problems += _agent(cfg, name, spec, self.modules)
         problems += unsupported_values(cfg, [r for r in roles if r in cfg.models])
         _warn_offload_without_colocation(cfg, [r for r in roles if r in cfg.models])
         return problems
@@ -341,6 +342,48 @@ def _dynamic_sampling(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modul
     if rt.use_partial_rollout:
         problems.append("runtime.dynamic_sampling with runtime.use_partial_rollout is not supported yet; set one "
                         "of them to false")
+    return problems
+
+
+def _agent(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
+    """``runtime.task_type: agent``: the policy (synced from a trainer, as a partial rollout's) continues its
+    conversations turn by turn (``continues_responses``); the environment class loads and has reset/step."""
+    rt = cfg.runtime
+    agent = rt.agent
+    if rt.task_type != "agent":
+        changed = sorted(agent.model_fields_set)
+        return [f"runtime.agent.{f}: only used with runtime.task_type: agent; remove it" for f in changed]
+    problems = []
+    src = next((s for s, d in spec.sync if d == "policy" and s in cfg.models and d in cfg.models), None)
+    if src is None or engine in ("online_dpo",):
+        problems.append(f"runtime.task_type: agent: the {engine!r} engine has no policy-gradient trainer for "
+                        "multi-turn samples; use grpo, rlhf (PPO) or an engine of theirs")
+    if agent.env is None:
+        problems.append("runtime.agent.env: task_type: agent needs an environment class, 'package.module:Class'")
+    else:
+        try:
+            env_cls = import_object(agent.env, "Class")
+        except ValueError as exc:
+            problems.append(f"runtime.agent.env: {exc}")
+        else:
+            missing = [m for m in ("reset", "step") if not callable(getattr(env_cls, m, None))]
+            if not isinstance(env_cls, type) or missing:
+                problems.append(f"runtime.agent.env: {agent.env} is not an environment class (needs reset(sample) "
+                                f"and step(action){'; missing ' + ', '.join(missing) if missing else ''})")
+    cls = _module_class("policy", cfg, modules, engine)
+    if cls is not None and not getattr(cls, "continues_responses", False):
+        problems.append(f"runtime.task_type: agent: models.policy's module {cls.__name__} cannot continue a "
+                        "conversation (continues_responses); multi-turn rollouts need the built-in policy")
+    for name, on in (("max_staleness", rt.max_staleness > 0), ("use_partial_rollout", rt.use_partial_rollout),
+                      ("dynamic_sampling", rt.dynamic_sampling)):
+        if on:
+            problems.append(f"runtime.{name} with runtime.task_type: agent is not supported yet (multi-turn "
+                            "samples are generated one episode at a time); turn one of them off")
+    policy = cfg.models.get("policy")
+    new_tokens = (policy.args_dict or {}).get("max_new_tokens") if policy is not None else None
+    if isinstance(new_tokens, int) and new_tokens > agent.max_total_tokens:
+        problems.append(f"runtime.agent.max_total_tokens: {agent.max_total_tokens} is less than models.policy "
+                        f"max_new_tokens ({new_tokens}): not even one answer fits")
     return problems
 
 

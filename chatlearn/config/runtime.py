@@ -13,6 +13,7 @@ from chatlearn.config.sections import Section
 __all__ = [
     "CPU_SCHEDULE_STRATEGIES",
     "PARAM_SYNC_COMM_TYPES",
+    "AgentConfig",
     "PartialRolloutConfig",
     "STREAM_DATA_LOADER_TYPES",
     "RuntimeConfig",
@@ -22,6 +23,7 @@ __all__ = [
 STREAM_DATA_LOADER_TYPES = ("fixed", "dynamic")
 PARAM_SYNC_COMM_TYPES = ("broadcast", "p2p")
 CPU_SCHEDULE_STRATEGIES = ("PACK", "SPREAD")
+TASK_TYPES = ("chat", "agent")
 WANDB_RESUME = ("allow", "must", "never", "auto")
 
 
@@ -66,6 +68,30 @@ class PartialRolloutConfig(Section):
             edges.append(min(max_new_tokens, round(total * max_new_tokens)))
         edges[-1] = max_new_tokens
         return [b - a for a, b in zip(edges, edges[1:], strict=False)]
+
+
+class AgentConfig(Section):
+    """``runtime.agent``: multi-turn rollouts (``runtime.task_type: agent``). The policy answers, the environment
+    (one instance per sample) reads the answer and returns an observation, the policy answers again, until the
+    environment says done, ``max_turns`` answers were given, or a whole turn no longer fits ``max_total_tokens``
+    (``flows/agent_turns.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: str | None = Field(default=None, description="the environment class, 'package.module:Class' (or "
+                            "'file.py:Class' next to the config): reset(sample) and step(action) -> observation, "
+                            "reward, done, info (chatlearn.envs.Environment)")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the environment's "
+                                     "constructor")
+    max_turns: int = Field(default=4, ge=1, description="the most policy answers (assistant turns) of one "
+                           "conversation")
+    max_total_tokens: int = Field(default=512, gt=0, description="the most tokens after the prompt: answers and "
+                                  "observations; a turn starts only when a whole answer (max_new_tokens) still fits")
+    num_cpus_per_task: float = Field(default=0.5, gt=0, description="CPUs of each environment-step task (one per "
+                                     "batch and turn, a Prefect task on Ray)")
+    timeout_s: float = Field(default=60.0, gt=0, description="seconds one environment-step task may take")
+    retries: int = Field(default=0, ge=0, description="Prefect retries of an environment-step task that raised "
+                         "(each retry starts from the environments as they were before the step)")
 
 
 class LogArgsConfig(Section):
@@ -235,6 +261,16 @@ class RuntimeConfig(Section):
         "tokens in round i; an unfinished one is continued in the next episode on the newer weights, and a "
         "prompt's group trains once all its responses are finished. Needs stream_data_loader_type: dynamic",
     )
+    task_type: str = Field(
+        default="chat", description="ChatLearn HEAD's key: 'chat', one prompt and one response; 'agent', multi-turn "
+        "rollouts with an environment (runtime.agent): the policy's answers and the environment's observations "
+        "alternate, the observations' tokens kept out of the loss",
+    )
+    agent: AgentConfig = Field(
+        default_factory=lambda: AgentConfig(),
+        description="task_type: agent: env, env_args, max_turns, max_total_tokens, num_cpus_per_task, timeout_s, "
+        "retries",
+    )
     dynamic_sampling: bool = Field(
         default=False, description="DAPO's dynamic sampling: drop the prompt groups whose responses all score the "
         "same (no advantage, no learning signal) and generate the stream's next prompts until sample_per_episode "
@@ -322,6 +358,13 @@ class RuntimeConfig(Section):
         # Case-insensitive like ChatLearn's validation, but normalized so later exact comparisons work.
         allowed = STREAM_DATA_LOADER_TYPES if info.field_name == "stream_data_loader_type" else PARAM_SYNC_COMM_TYPES
         return value.lower() if value.lower() in allowed else value
+
+    @field_validator("task_type", mode="after")
+    @classmethod
+    def _task_type(cls, value: str) -> str:
+        if value not in TASK_TYPES:
+            raise ValueError(f"{value!r} is not one of {list(TASK_TYPES)}")
+        return value
 
     @field_validator("cpu_schedule_strategy", mode="after")
     @classmethod

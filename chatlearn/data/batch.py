@@ -5,7 +5,9 @@ A batch carries left-padded prompts (`prompt_ids`, `prompt_mask`, shape [B, P]) 
 ([B, R], e.g. log-probs, values, advantages), every 1-D tensor is one number per sample ([B], e.g. scores),
 and lists hold one Python object per sample (prompt text, answers). A preference pair carries its second
 response as ``rejected_ids``/``rejected_mask``: 2-D tensors named ``rejected_*`` align with those tokens.
-Splitting a batch into per-sample dicts
+A multi-turn sample's response holds the policy's answers and the environment's observations: ``loss_mask`` [B, R]
+is 1 at the tokens the policy generated and 0 at the observations' (`loss_mask` reads it; a batch without one,
+every single-turn sample, counts every response token). Splitting a batch into per-sample dicts
 drops the padding, so samples from batches of different shapes can be re-batched freely (micro-batches are
 not generation batches).
 """
@@ -25,6 +27,13 @@ def batch_size(batch: dict[str, Any]) -> int:
     for value in batch.values():
         return len(value)
     return 0
+
+
+def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
+    """The response tokens the losses, advantages and their normalisers count: the policy's own tokens
+    (``loss_mask``, a multi-turn sample's), else every response token (``response_mask``)."""
+    mask = batch.get("loss_mask")
+    return batch["response_mask"] if mask is None else mask
 
 
 def split_batch(batch: dict[str, Any]) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ from chatlearn.algorithms import (
     whiten_global_batch,
 )
 from chatlearn.algorithms.aggregation import aggregate_loss
-from chatlearn.data.batch import collate_samples
+from chatlearn.data.batch import collate_samples, loss_mask
 from chatlearn.models.hf.common import ResponseTokens, response_logprobs
 from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs
 
@@ -132,7 +132,7 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         if not self.args.whiten_advantages:
             return
         # one mean/std over the whole global batch's response tokens (REINFORCE++), per-sequence ones broadcast
-        masks = [mb["response_mask"] for mb in data_list]
+        masks = [loss_mask(mb) for mb in data_list]
         advs = [mb["advantages"] if mb["advantages"].dim() == 2 else mb["advantages"][:, None] * m
                 for mb, m in zip(data_list, masks, strict=True)]
         for mb, adv in zip(data_list, whiten_global_batch(advs, masks), strict=True):
@@ -143,7 +143,7 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         stage) against the behaviour ones (the sampler's)."""
         if self.correction is None:
             return None, {}
-        return self.correction(data["old_logprobs"], data["logprobs"], data["response_mask"],
+        return self.correction(data["old_logprobs"], data["logprobs"], loss_mask(data),
                                cap=self.args.rollout_is_cap)
 
     def episode_stats(self, samples: list[dict]) -> dict[str, float]:
@@ -174,7 +174,7 @@ class GRPOPolicyTrainer(CausalLMTrainer):
     def loss(self, mb: dict, out: ResponseTokens, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.args
         total = self.batch_mean.total  # the loss divides by the global batch's units itself; w weighs the stats
-        mask = mb["response_mask"].to(self.device)
+        mask = loss_mask(mb).to(self.device)
         logprobs = out.logprobs
         if a.old_logprobs == "current":  # on-policy: the weights before this episode's only step
             old = logprobs.detach()

@@ -146,8 +146,8 @@ class PolicyInference(HFModule):
         max_new_tokens = self.args.max_new_tokens
         if "max_generate_token_length" in data:  # a round of a partial rollout
             max_new_tokens = _one_budget(data["max_generate_token_length"])
-            if "response_ids" in data:  # responses begun in an earlier round: they are the prompts' ends
-                prompt_ids, prompt_mask, done = _continued(data, self.tokenizer.pad_token_id)
+        if "response_ids" in data:  # responses begun earlier (a partial rollout's round, a conversation's turns)
+            prompt_ids, prompt_mask, done = _continued(data, self.tokenizer.pad_token_id)
         req = Request(
             prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
             max_new_tokens=max_new_tokens, min_new_tokens=self.args.min_new_tokens,
@@ -172,6 +172,11 @@ class PolicyInference(HFModule):
         out = {**data, "response_ids": response_ids, "response_mask": mask, "response": texts}
         if logprobs is not None:
             out["logprobs"] = logprobs * mask
+        if done is not None and "loss_mask" in data:  # a conversation: its observations stay out of the loss
+            kept = mask.clone()
+            for i, n in enumerate(done.tolist()):
+                kept[i, :n] = data["loss_mask"][i, :n]
+            out["loss_mask"] = kept
         if "max_generate_token_length" in data:  # partial rollouts: where each response stands
             lengths = mask.sum(-1).long()
             ended = [n > 0 and ids[n - 1] == self.tokenizer.eos_token_id

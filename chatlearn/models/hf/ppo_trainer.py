@@ -11,6 +11,7 @@ import torch
 from pydantic import Field
 
 from chatlearn.algorithms import get_policy_loss, get_value_loss, whiten_global_batch
+from chatlearn.data.batch import loss_mask
 from chatlearn.models.hf.common import ResponseTokens, ensure_model_files
 from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs, Trainer
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
@@ -43,7 +44,7 @@ class PPOPolicyTrainer(CausalLMTrainer):
         if self.args.whiten_advantages:
             # one mean/std over the whole global batch, as ChatLearn whitens across data-parallel ranks
             whitened = whiten_global_batch([mb["advantages"] for mb in data_list],
-                                           [mb["response_mask"] for mb in data_list])
+                                           [loss_mask(mb) for mb in data_list])
             for mb, adv in zip(data_list, whitened, strict=True):
                 mb["advantages"] = adv
 
@@ -51,7 +52,7 @@ class PPOPolicyTrainer(CausalLMTrainer):
         return ("policy_loss", "clipfrac", "approx_kl", *(("dual_clipfrac",) if self.args.clip_ratio_c else ()))
 
     def loss(self, mb: dict, out: ResponseTokens, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = mb["response_mask"].to(self.device)
+        mask = loss_mask(mb).to(self.device)
         dual = {} if self.args.clip_ratio_c is None else {"clip_ratio_c": self.args.clip_ratio_c}
         loss, st = self.loss_fn(out.logprobs, mb["logprobs"].to(self.device), mb["advantages"].to(self.device),
                                 mask, cliprange=self.args.cliprange, **dual)
@@ -81,7 +82,7 @@ class PPOValueTrainer(Trainer):
         return self.fwd(mb, self.device, packed=self.packing)
 
     def loss(self, mb: dict, out: torch.Tensor, on: float, w: float) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = mb["response_mask"].to(self.device)
+        mask = mb["response_mask"].to(self.device)  # the critic is fit at every position GAE reads
         loss, st = self.loss_fn(out, mb["values"].to(self.device), mb["returns"].to(self.device), mask,
                                 cliprange_value=self.args.cliprange_value)
         return loss * w, {"value_loss": float(loss.detach()) * w, "vf_clipfrac": st["vf_clipfrac"] * w}

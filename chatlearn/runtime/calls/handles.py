@@ -24,6 +24,7 @@ from typing import Any
 import ray
 from pydantic import BaseModel, Field
 
+from chatlearn.envs.turns import TurnSpec
 from chatlearn.models.rule import RuleSpec
 from chatlearn.runtime.plan import EpisodePlan
 from chatlearn.runtime.weights.sync import SyncRoute
@@ -87,6 +88,8 @@ class RunHandle(BaseModel):
     versions: Any = Field(None, exclude=True)
     # partial rollouts: the responses in flight by episode (chatlearn.data.partial_rollout), in the driver
     partial: Any = Field(None, exclude=True)
+    agent: TurnSpec | None = Field(None, description="task_type: agent: the environment and the turn limits "
+                                   "(flows/agent_turns.py)")
     pad_token_id: int = Field(0, description="the producer's pad token (batches the driver collates)")
     # the flows' steps (functions of the driver, run as Ray tasks): not sent to the Prefect API
     steps: dict[str, Any] = Field(default_factory=dict, exclude=True)

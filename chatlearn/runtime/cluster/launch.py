@@ -22,6 +22,7 @@ from chatlearn.config.engine_checks import group_size
 from chatlearn.config.user_code import shipped_code, user_code
 from chatlearn.data.preflight import record_keys
 from chatlearn.data.ranking import rank_prompts
+from chatlearn.envs.turns import TurnSpec
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.rule import RuleSpec
 from chatlearn.runtime.calls.handles import RunHandle, own_actors
@@ -233,7 +234,18 @@ def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, pre
         concurrent_comm=rt.concurrent_comm, param_sync_max_workers=rt.param_sync_max_workers,
         stage_timeout_s=rt.stage_timeout_s, steps=dict(eng.steps), max_staleness=rt.max_staleness,
         sampling_rounds=rt.max_sampling_rounds if rt.dynamic_sampling else 1,
+        agent=_turn_spec(cfg, eng) if rt.task_type == "agent" else None,
     )
+
+
+def _turn_spec(cfg: ChatLearnConfig, eng: ResolvedEngine) -> TurnSpec:
+    """``runtime.agent`` with what an environment step needs of the policy (its answer length, its tokenizer)."""
+    agent, name = cfg.runtime.agent, eng.plan.producer
+    args = type(eng.modules[name]).args_schema.model_validate(cfg.models[name].args_dict or {})
+    return TurnSpec(env=agent.env, env_args=agent.env_args, max_turns=agent.max_turns,
+                    max_total_tokens=agent.max_total_tokens, max_new_tokens=args.max_new_tokens,
+                    seed=cfg.runtime.seed, model_path=str(args.model_path),
+                    num_cpus=agent.num_cpus_per_task, timeout_s=agent.timeout_s, retries=agent.retries)
 
 
 def sync_routes_of(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers) -> list[SyncRoute]:
