@@ -8,7 +8,8 @@ exact token ids it generated, never from a decoded and re-encoded text. A conver
 environment says done, after ``max_turns`` answers, or when a whole answer (``max_new_tokens``) would no longer
 fit in ``max_total_tokens`` after the observation.
 
-Every sample leaving a step carries the same fields (so samples that ended in different turns batch together):
+An ended conversation's ``response`` is its whole text after the prompt, decoded with the turn separators (the
+policy's own ``response`` is one answer). Every sample leaving a step carries the same fields (so samples that ended in different turns batch together):
 ``loss_mask``, ``turn_start``, ``env_reward`` (the sum of its rewards), ``turns``, ``tool_calls``,
 ``tool_errors``, ``env_seconds``.
 """
@@ -117,6 +118,9 @@ def step_conversations(batch: dict[str, Any], envs: list[Any] | None, turn: int,
         ids = renderer.ids(obs) if not done and turn < spec.max_turns else []
         if done or turn >= spec.max_turns or length + len(ids) + spec.max_new_tokens > spec.max_total_tokens:
             sample["turn_start"] = length
+            # the whole conversation after the prompt, turn separators kept: what eval examples and rewards read
+            sample["response"] = renderer.tokenizer.decode(sample["response_ids"].tolist(),
+                                                           skip_special_tokens=False)
             ended.append(sample)
             continue
         _append(sample, ids, length)
