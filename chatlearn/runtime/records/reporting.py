@@ -26,7 +26,8 @@ from chatlearn.utils.storage import writing
 # Column order of the metrics line and the artifact table (keys that are absent are skipped).
 LINE_KEYS = ["reward_mean", "eval_reward_mean", "eval_exact_match", "eval_preference_accuracy", "kl_mean",
              "policy_loss", "value_loss", "clipfrac", "kl_loss", "dpo_loss", "reward_accuracy", "pair_accuracy",
-             "response_length_mean", "episode_seconds", "peak_memory_mb"]
+             "response_length_mean", "turns_mean", "tool_calls_mean", "eval_turns_mean", "episode_seconds",
+             "peak_memory_mb"]
 
 
 def user_row(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +115,7 @@ class EpisodeReporter:
 
 
 SUMMARY_KEYS = ("reward_mean", "eval_reward_mean", "eval_exact_match", "kl_mean", "policy_loss", "value_loss",
-                "dpo_loss", "response_length_mean")
+                "dpo_loss", "response_length_mean", "turns_mean", "tool_calls_mean", "eval_turns_mean")
 
 
 def flow_run_url() -> str | None:
