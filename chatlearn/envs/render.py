@@ -1,11 +1,62 @@
-"""Observation tokens as the chat template renders them."""
+"""An observation's tokens as the policy's chat template renders them after its answer.
+
+A policy's answer ends with the tokenizer's EOS, as generated (ChatML's ``<|im_end|>``, Llama 3's
+``<|eot_id|>``, Mistral's ``</s>``). What follows in the template's own rendering of the conversation is the
+rest of that message (e.g. ChatML's newline), the observation as a tool message, and the next assistant turn's
+header: those tokens are appended, so the conversation the policy continues from is the one the template would
+render. The suffix is found by rendering a conversation with and without the observation and cutting after the
+answer's EOS. A template that renders no distinct tool role (Mistral's, where any non-user message is an
+answer) gets the observation as a user message holding ``<tool_response>...</tool_response>``. A tokenizer with
+no chat template (the embedded char tokenizer) gets the plain format: the observation between two newlines, or
+two spaces where the vocabulary has no newline.
+"""
 
 from typing import Any
 
+from chatlearn.tools.calls import render_tool_response
+
+__all__ = ["ObservationRenderer"]
+
+_PROBE = "PROBE"  # a message body no template adds itself
+
 
 class ObservationRenderer:
+    """Turns an observation's text into the token ids appended after a policy's answer."""
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+        self.role = self._tool_role() if self.templated else None
+        self.separator = "\n" if self.templated or self._encodes("\n") else " "
+
+    def _encodes(self, text: str) -> bool:
+        unk = self.tokenizer.unk_token_id
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return bool(ids) and (unk is None or unk not in ids)
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _tool_role(self) -> str:
+        """"tool" where the template renders a tool message apart from an answer, else "user"."""
+        try:
+            tool = self._render([{"role": "user", "content": "q"}, {"role": "tool", "content": _PROBE}], False)
+            answer = self._render([{"role": "user", "content": "q"}, {"role": "assistant", "content": _PROBE}], False)
+        except Exception:  # noqa: BLE001 - a template that refuses the role (raise_exception) has no tool turn
+            return "user"
+        return "tool" if tool != answer else "user"
 
     def ids(self, text: str) -> list[int]:
-        return self.tokenizer(" " + text + " ", add_special_tokens=False)["input_ids"]
+        """The tokens after an answer's EOS: the observation ``text`` and the next answer's header."""
+        if not self.templated:
+            return self.tokenizer(self.separator + text + self.separator, add_special_tokens=False)["input_ids"]
+        content = text if self.role == "tool" else render_tool_response(text)
+        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        head = self._render(base, False)
+        full = self._render([*base, {"role": self.role, "content": content}], True)
+        eos = self.tokenizer.eos_token
+        cut = head.rfind(eos)
+        if cut < 0 or not full.startswith(head[:cut + len(eos)]):
+            raise ValueError(f"the chat template of {getattr(self.tokenizer, 'name_or_path', 'the tokenizer')} does "
+                             f"not end an answer with its EOS {eos!r}: observations cannot follow the answer's tokens")
+        return self.tokenizer(full[cut + len(eos):], add_special_tokens=False)["input_ids"]

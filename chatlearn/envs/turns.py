@@ -8,10 +8,10 @@ exact token ids it generated, never from a decoded and re-encoded text. A conver
 environment says done, after ``max_turns`` answers, or when a whole answer (``max_new_tokens``) would no longer
 fit in ``max_total_tokens`` after the observation.
 
-An ended conversation's ``response`` is its whole text after the prompt, decoded with the turn separators (the
-policy's own ``response`` is one answer). Every sample leaving a step carries the same fields (so samples that ended in different turns batch together):
-``loss_mask``, ``turn_start``, ``env_reward`` (the sum of its rewards), ``turns``, ``tool_calls``,
-``tool_errors``, ``env_seconds``.
+An ended conversation's ``response`` is its whole text after the prompt, decoded with the turn separators
+(the policy's own ``response`` is one answer). Every sample leaving a step carries the same fields, so samples
+that ended in different turns batch together: ``loss_mask``, ``turn_start``, ``env_reward`` (the sum of its
+rewards), ``turns``, ``tool_calls``, ``tool_errors``, ``env_seconds``.
 """
 
 import time
