@@ -98,3 +98,30 @@ def test_higher_lower_says_higher_or_lower_until_the_guess_is_right():
     assert game.step("5")[0] == "lower"
     assert game.step("4")[0] == "lower"
     assert game.step("4") == ("", pytest.approx(0.25 * (1 - 2 / 9)), True, {})  # out of guesses: closeness
+
+
+class CountDown:
+    """A Gymnasium-style text environment: say the next number of a count down from a seeded start."""
+
+    def __init__(self, top: int = 5):
+        self.top = top
+
+    def reset(self, seed=None):
+        self.n = self.top + seed % 3
+        return f"count down from {self.n}", {}
+
+    def step(self, action):
+        right = action.strip() == str(self.n - 1)
+        self.n -= 1
+        return str(self.n), float(right), self.n <= 0, not right, {"right": right}
+
+
+def test_a_gymnasium_style_text_environment_is_wrapped_directly():
+    from chatlearn.envs.gym import GymTextEnv
+
+    env = GymTextEnv(factory=f"{__name__}:CountDown", kwargs={"top": 5})
+    assert env.reset({"env_seed": 4}) is None  # starts at 5 + 4 % 3 = 6
+    assert env.step("5") == ("5", 1.0, False, {"right": True})
+    assert env.step("3") == ("4", 0.0, True, {"right": False})  # truncated on a wrong count
+    with pytest.raises(ValueError, match="nosuch"):
+        GymTextEnv(factory="nosuch:make")
