@@ -127,7 +127,9 @@ RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.arg
                          "models.policy.args_dict.num_inference_per_prompt=4"],
                 # three episodes, so a later one generates while the killed one trains; longer responses than
                 # the shipped 2 tokens, so generation takes long enough for the overlap to show
-                "grpo_async": ["runtime.num_episode=3", "models.policy.args_dict.max_new_tokens=12"]}
+                "grpo_async": ["runtime.num_episode=3", "models.policy.args_dict.max_new_tokens=12"],
+                # the eval's conversations too, after episode 2
+                "agent_higher_lower": ["runtime.eval_episode_interval=2"]}
 
 
 def train_engine(config, out, exp, tiny_model_dir, crash=None):
@@ -488,6 +490,7 @@ def test_multi_turn_grpo_steps_environments_as_task_runs_and_resumes_bit_identic
     for row in ref:
         assert 1.0 < row["turns_mean"] <= 4.0 and row["tool_calls_mean"] == 0.0 and row["tool_errors"] == 0.0
         assert row["env_seconds"] > 0 and 0.0 <= row["env_reward_mean"] <= 1.0
+    assert 1.0 <= ref[1]["eval_turns_mean"] <= 4.0 and ref[1]["eval_tool_errors"] == 0.0
     with get_client(sync_client=True) as client:
         runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
             any_=["episode-1"]))) if r.parameters.get("run", {}).get("exp_name") == "agent-ref"]
