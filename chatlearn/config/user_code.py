@@ -28,7 +28,8 @@ def config_dir(cfg: ChatLearnConfig) -> str | None:
 # class and reward function, and the Ray runtime env (pip packages, py_modules, working_dir, ...). What a
 # deployment pins (`flows.pins`); `hook_specs` imports from these and no other field.
 CODE_FIELDS = ("runtime.engine", "runtime.relay_sample_fn", "runtime.eval_post_process_fn", "runtime.agent.env",
-               "runtime.agent.env_args.factory", "models.*.args_dict.module", "models.*.args_dict.reward_fn", "runtime_env.*")
+               "runtime.agent.env_args.factory", "models.*.args_dict.module", "models.*.args_dict.reward_fn",
+               "runtime_env.*")
 
 
 def code_fields(cfg: ChatLearnConfig) -> dict[str, Any]:
