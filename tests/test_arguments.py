@@ -9,7 +9,7 @@ import warnings
 import pytest
 from pydantic import ValidationError
 
-from chatlearn.config.runtime import LogArgsConfig, PartialRolloutConfig
+from chatlearn.config.runtime import AgentConfig, LogArgsConfig, PartialRolloutConfig
 from chatlearn.utils.arguments import (
     BatchGenerationConfig,
     ChatLearnConfig,
@@ -115,6 +115,8 @@ DECLARED_EXTRAS = {
         "rollout_engine": "hf",  # HEAD's default is vllm, a GPU build this project refuses (not supported yet)
         "max_staleness": 0,  # pipelined episodes (the peers' name, TRL's max_staleness); 0 is ChatLearn's episode
         "use_partial_rollout": False,  # HEAD's partial rollouts
+        "task_type": "chat",  # HEAD's key: chat, or agent (multi-turn rollouts with an environment)
+        "agent": AgentConfig(),  # runtime.agent: the environment and the turn limits (not in ChatLearn)
         "dynamic_sampling": False,  # DAPO's dynamic sampling (verl's filter_groups)
         "max_sampling_rounds": 3,
         # HEAD's PartialRolloutManagerConfig defaults, but mini_response_per_prompt (HEAD: 16): unset means

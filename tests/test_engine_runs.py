@@ -157,6 +157,27 @@ def train_here(config, out, exp, tiny_model_dir, monkeypatch):
                       overrides=[*RESUME_ARGS, *RESUME_EXTRA.get(config, []), f"runtime.exp_name={exp}"])
 
 
+def killed_and_resumed(config, tmp_path, ref, exp, crash, timing, tiny_model_dir, monkeypatch, capsys):
+    """A `chatlearn train` process of ``config`` SIGKILLed at ``crash``, then the same run again here: it resumes
+    after episode 1 and ends with run ``ref``'s final policy and rows (less ``timing``), bit for bit. Returns what
+    the re-run wrote to stderr and the rows."""
+    killed = train_engine(config, tmp_path, exp, tiny_model_dir, crash=crash)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    capsys.readouterr()
+    train_here(config, tmp_path, exp, tiny_model_dir, monkeypatch)
+    again = capsys.readouterr().err
+    assert "resuming after episode 1 " in again, again[-3000:]
+    expected = load_file(str(tmp_path / ref / "final" / "policy" / "model.safetensors"))
+    weights = load_file(str(tmp_path / exp / "final" / "policy" / "model.safetensors"))
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+
+    def rows(name):
+        return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / name)]
+
+    assert rows(exp) == rows(ref)
+    return again, rows(ref)
+
+
 @pytest.mark.parametrize("config", ["grpo", "dpo", "online_dpo", "dapo"])
 def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session, tiny_model_dir, tmp_path,
                                                monkeypatch, capsys):
@@ -180,22 +201,11 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
         assert first["dynamic_sampling_rounds"] == 2 and first["filtered_groups"] > 0
         assert first["consumed_samples"] == 64 and first["num_samples"] == 32
         assert second["consumed_samples"] == 64 + 32 * second["dynamic_sampling_rounds"]
-    killed = train_engine(config, tmp_path, "killed", tiny_model_dir, crash="after_generate:1")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    capsys.readouterr()
-    train_here(config, tmp_path, "killed", tiny_model_dir, monkeypatch)
-    again = capsys.readouterr().err
-    assert "resuming after episode 1 " in again, again[-3000:]
+    again, rows = killed_and_resumed(config, tmp_path, "ref", "killed", "after_generate:1", timing, tiny_model_dir,
+                                     monkeypatch, capsys)
+    assert len(rows) == 2
     if config == "grpo":
         assert "old log-probs: generation (the policy holds the trainer's weights" in again
-    expected = load_file(str(tmp_path / "ref" / "final" / "policy" / "model.safetensors"))
-    weights = load_file(str(tmp_path / "killed" / "final" / "policy" / "model.safetensors"))
-    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
-
-    def rows(exp):
-        return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
-
-    assert rows("killed") == rows("ref") and len(rows("ref")) == 2
 
 
 def _stage_runs(exp, episodes, stages):
@@ -246,27 +256,16 @@ def test_pipelined_grpo_overlaps_its_episodes_and_resumes_bit_identical(prefect_
     busy = (runs["episode-2", "score"].start_time, runs["episode-2", "train"].end_time)
     gen = runs["episode-3", "generate"]
     assert gen.start_time < busy[1] and gen.end_time > busy[0], (busy, gen.start_time, gen.end_time)
-    killed = train_engine("grpo_async", tmp_path, "async-killed", tiny_model_dir, crash="after_generate:1")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    capsys.readouterr()
-    train_here("grpo_async", tmp_path, "async-killed", tiny_model_dir, monkeypatch)
-    again = capsys.readouterr().err
-    assert "resuming after episode 1 " in again, again[-3000:]
-    expected = load_file(str(tmp_path / "async-ref" / "final" / "policy" / "model.safetensors"))
-    weights = load_file(str(tmp_path / "async-killed" / "final" / "policy" / "model.safetensors"))
-    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
-
-    def rows(exp):
-        return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
-
-    assert rows("async-killed") == rows("async-ref")
+    _, ref_rows = killed_and_resumed("grpo_async", tmp_path, "async-ref", "async-killed", "after_generate:1", timing,
+                                     tiny_model_dir, monkeypatch, capsys)
     # the policy's own process SIGKILLed at the same point: recreated, and the run redoes episode 2 exactly
     monkeypatch.setenv("CHATLEARN_KILL_AT", "policy:after_generate:1")
     train_here("grpo_async", tmp_path, "async-lost", tiny_model_dir, monkeypatch)
     assert "died during episode 2; recreating the model processes" in capsys.readouterr().err
+    expected = load_file(str(tmp_path / "async-ref" / "final" / "policy" / "model.safetensors"))
     weights = load_file(str(tmp_path / "async-lost" / "final" / "policy" / "model.safetensors"))
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
-    assert rows("async-lost") == rows("async-ref")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / "async-lost")] == ref_rows
 
 
 def test_a_raising_rule_reward_stops_the_run_naming_the_sample(prefect_api, ray_session, tiny_model_dir, tmp_path):
@@ -505,17 +504,5 @@ def test_multi_turn_grpo_steps_environments_as_task_runs_and_resumes_bit_identic
     # two batches of 16 conversations, each stepped after every turn while any of them goes on
     assert {"env-step-turn-1-batch-0", "env-step-turn-1-batch-1", "env-step-turn-2-batch-0"} <= set(steps)
     assert all(t.state_type.value == "COMPLETED" for t in steps.values())
-    killed = train_engine("agent_higher_lower", tmp_path, "agent-killed", tiny_model_dir, crash="agent_turn_2:1")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    capsys.readouterr()
-    train_here("agent_higher_lower", tmp_path, "agent-killed", tiny_model_dir, monkeypatch)
-    again = capsys.readouterr().err
-    assert "resuming after episode 1 " in again, again[-3000:]
-    expected = load_file(str(tmp_path / "agent-ref" / "final" / "policy" / "model.safetensors"))
-    weights = load_file(str(tmp_path / "agent-killed" / "final" / "policy" / "model.safetensors"))
-    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
-
-    def rows(exp):
-        return [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / exp)]
-
-    assert rows("agent-killed") == rows("agent-ref")
+    killed_and_resumed("agent_higher_lower", tmp_path, "agent-ref", "agent-killed", "agent_turn_2:1", timing,
+                       tiny_model_dir, monkeypatch, capsys)

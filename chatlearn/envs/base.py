@@ -1,4 +1,8 @@
-"""Environments of multi-turn rollouts: the interface, loading one by name, checking what it returns."""
+"""Environments of multi-turn rollouts: the interface, loading one by name, checking what it returns.
+
+The Gymnasium-style wrapper is `chatlearn.envs.gym.GymTextEnv`; the tool-calling one is
+`chatlearn.envs.tool_env.ToolEnvironment`.
+"""
 
 import math
 from typing import Any
@@ -6,60 +10,87 @@ from typing import Any
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.imports import import_object
 
+__all__ = ["EnvError", "Environment", "check_reset", "check_step", "load_environment"]
+
 
 class EnvError(RunError):
-    """An environment that raised or returned something unusable, naming the sample, the turn and the class."""
+    """An environment that cannot be loaded, raised, or returned something unusable; the message names where (the
+    class, and at run time the sample and the turn). A RuntimeError, shown by the run as one line."""
 
 
 class Environment:
-    """The interface a multi-turn task implements (``runtime.agent.env``); subclassing it is optional, any class
-    with these two methods works. One instance per sample, made with ``runtime.agent.env_args`` as keywords.
+    """The interface a multi-turn task implements (``runtime.agent.env``). Subclassing it is optional: any class
+    with these two methods works. One instance per sample, made as ``cls(**runtime.agent.env_args)``.
 
     ``reset(sample)`` is called once, before the first step, with the sample's record fields (``prompt``,
-    ``answer``, ...), its ``sample_id`` and ``env_seed`` (fixed by the run seed and the sample id: seed any
-    randomness from it, so the same sample plays the same game in any batch or re-run). The record's prompt opens
-    the conversation, so it returns None.
+    ``answer``, ...), its ``sample_id`` and ``env_seed``: an int fixed by the run seed and the sample id. Seed any
+    randomness from ``env_seed`` (e.g. ``random.Random(sample["env_seed"])``), so the same sample plays the same
+    conversation in any batch, replica or re-run. The record's prompt opens the conversation, so reset returns
+    None (or ""); any other text is an error (`check_reset`), since it would have nowhere to go.
 
-    ``step(action)`` gets the text of the policy's answer (special tokens left out) and returns the observation
-    (shown to the policy as the next tool turn), a reward (summed over the conversation as ``env_reward``),
-    whether the conversation is done, and an info dict (``tool_calls`` and ``tool_errors`` are counted)."""
+    ``step(action)`` gets the text of the policy's answer this turn (decoded, special tokens left out) and returns
+    ``(observation, reward, done, info)``: the observation is shown to the policy as the next tool turn (ignored
+    once done); the rewards of all turns are summed into the sample's ``env_reward``; ``info`` is a dict whose
+    optional int keys ``tool_calls`` and ``tool_errors`` the runtime counts."""
 
     def reset(self, sample: dict[str, Any]) -> str | None:
         return None
 
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}.step")
 
 
 def load_environment(spec: str) -> type:
-    """The environment class ``spec`` names (``package.module:Class`` or ``file.py:Class``)."""
-    cls = import_object(spec, "Class")
-    if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
-        raise EnvError(f"{spec} is not an environment class (reset(sample) and step(action))")
-    return cls
+    """The environment class ``spec`` names (``package.module:Class`` or ``file.py:Class``, imported as every
+    other config hook is). An import failure is a ValueError naming the spec; something that is not a class with
+    ``reset`` and ``step`` an EnvError naming it."""
+    obj = import_object(spec, "Class")
+    if not isinstance(obj, type):
+        raise EnvError(f"{spec} is not an environment class (reset(sample) and step(action)): it is a "
+                       f"{type(obj).__name__}")
+    missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise EnvError(f"{spec} is not an environment class (reset(sample) and step(action)): it has no "
+                       f"{' and no '.join(missing)} method")
+    return obj
+
+
+def _short(value: Any) -> str:
+    return repr(str(value)[:60])
 
 
 def check_reset(value: Any, where: str) -> None:
-    """An EnvError at ``where`` unless ``reset`` returned None (or "")."""
-    if value not in (None, ""):
-        raise EnvError(f"{where}: reset returned {str(value)[:60]!r}; the record's prompt opens the conversation, "
-                       "so reset returns None")
+    """An EnvError at ``where`` (which names the class) unless ``reset`` returned None or ""."""
+    if value is None or value == "":
+        return
+    raise EnvError(f"{where}: reset returned {_short(value)}; the record's prompt opens the conversation, so reset "
+                   "returns None (put the first observation in the prompt)")
+
+
+def _done(value: Any, where: str) -> bool:
+    """``done`` as a bool; a string or None is refused, since ``"False"`` is truthy and None is likely a bug."""
+    if isinstance(value, str) or value is None:
+        raise EnvError(f"{where}: step returned done {value!r}, not a bool")
+    try:
+        return bool(value)
+    except Exception:  # noqa: BLE001 - e.g. an array of several values, whose truth is ambiguous
+        raise EnvError(f"{where}: step returned done {_short(value)}, not a bool") from None
 
 
 def check_step(result: Any, where: str) -> tuple[str, float, bool, dict[str, Any]]:
-    """What ``step`` returned as (observation, reward, done, info); an EnvError at ``where`` naming what is
-    wrong otherwise."""
+    """What ``step`` returned as ``(observation, reward, done, info)`` with a float reward and a bool done; an
+    EnvError at ``where`` naming what is wrong otherwise."""
     if not isinstance(result, tuple) or len(result) != 4:
-        raise EnvError(f"{where}: step returned {str(result)[:60]!r}, not (observation, reward, done, info)")
+        raise EnvError(f"{where}: step returned {_short(result)}, not (observation, reward, done, info)")
     obs, reward, done, info = result
     try:
         reward = float(reward)
     except (TypeError, ValueError):
         raise EnvError(f"{where}: step returned reward {reward!r}, not a number") from None
     if not isinstance(obs, str):
-        raise EnvError(f"{where}: step returned observation {str(obs)[:60]!r}, not a string")
+        raise EnvError(f"{where}: step returned observation {_short(obs)}, not a string")
     if not math.isfinite(reward):
         raise EnvError(f"{where}: step returned reward {reward}, not a finite number")
     if not isinstance(info, dict):
-        raise EnvError(f"{where}: step returned info {str(info)[:60]!r}, not a dict")
-    return obs, reward, bool(done), info
+        raise EnvError(f"{where}: step returned info {_short(info)}, not a dict")
+    return obs, reward, _done(done, where), info

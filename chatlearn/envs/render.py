@@ -5,23 +5,50 @@ A policy's answer ends with the tokenizer's EOS, as generated (ChatML's ``<|im_e
 rest of that message (e.g. ChatML's newline), the observation as a tool message, and the next assistant turn's
 header: those tokens are appended, so the conversation the policy continues from is the one the template would
 render. The suffix is found by rendering a conversation with and without the observation and cutting after the
-answer's EOS. A template that renders no distinct tool role (Mistral's, where any non-user message is an
-answer) gets the observation as a user message holding ``<tool_response>...</tool_response>``. A tokenizer with
-no chat template (the embedded char tokenizer) gets the plain format: the observation between two newlines, or
-two spaces where the vocabulary has no newline.
+answer's EOS; it starts after a special token, so tokenizing it alone gives the tokens the whole conversation
+has there (no BPE merge crosses a special token).
+
+A template that renders no distinct tool role (Mistral's, where any non-user message is an answer) or refuses
+one gets the observation as a user message holding ``<tool_response>...</tool_response>``. An observation made
+of several ``<tool_response>`` blocks (`ToolEnvironment` with several calls in one answer) is rendered as that
+many tool messages, as the template renders the results of several calls.
+
+A tokenizer with no chat template (the embedded char tokenizer) gets the plain format: the observation between
+two newlines, or between two spaces where the vocabulary has no newline (the char tokenizer's has none).
 """
 
+import re
 from typing import Any
 
-from chatlearn.tools.calls import render_tool_response
+from chatlearn.tools.calls import RESPONSE_CLOSE, RESPONSE_OPEN, render_tool_response
 
-__all__ = ["ObservationRenderer"]
+__all__ = ["ObservationRenderer", "split_tool_responses"]
 
 _PROBE = "PROBE"  # a message body no template adds itself
+_BLOCK = re.compile(re.escape(RESPONSE_OPEN) + r"\n(.*?)\n" + re.escape(RESPONSE_CLOSE), re.DOTALL)
+
+
+def split_tool_responses(text: str) -> list[str] | None:
+    """The results of a text that is exactly several ``<tool_response>`` blocks joined by newlines (as
+    `render_tool_response` writes each), else None (one plain observation)."""
+    if not text.startswith(RESPONSE_OPEN):
+        return None
+    parts, pos = [], 0
+    while pos < len(text):
+        match = _BLOCK.match(text, pos)
+        if match is None:
+            return None
+        parts.append(match.group(1))
+        pos = match.end()
+        if pos < len(text):
+            if text[pos] != "\n":
+                return None
+            pos += 1
+    return parts if len(parts) > 1 else None
 
 
 class ObservationRenderer:
-    """Turns an observation's text into the token ids appended after a policy's answer."""
+    """Turns an observation's text into the token ids appended after a policy's answer (its EOS included)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -46,17 +73,28 @@ class ObservationRenderer:
             return "user"
         return "tool" if tool != answer else "user"
 
-    def ids(self, text: str) -> list[int]:
-        """The tokens after an answer's EOS: the observation ``text`` and the next answer's header."""
+    def messages(self, text: str) -> list[dict[str, str]]:
+        """The chat messages the observation ``text`` is rendered as (templated tokenizers only)."""
+        results = split_tool_responses(text)
+        if self.role == "tool":
+            return [{"role": "tool", "content": r} for r in (results or [text])]
+        # no tool role: one user turn holding the result(s) as the tool-calling format writes them
+        return [{"role": "user", "content": text if results else render_tool_response(text)}]
+
+    def text(self, text: str) -> str:
+        """The text after an answer's EOS: the observation ``text`` and the next answer's header."""
         if not self.templated:
-            return self.tokenizer(self.separator + text + self.separator, add_special_tokens=False)["input_ids"]
-        content = text if self.role == "tool" else render_tool_response(text)
+            return self.separator + text + self.separator
         base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
         head = self._render(base, False)
-        full = self._render([*base, {"role": self.role, "content": content}], True)
+        full = self._render([*base, *self.messages(text)], True)
         eos = self.tokenizer.eos_token
-        cut = head.rfind(eos)
+        cut = head.rfind(eos) if eos else -1
         if cut < 0 or not full.startswith(head[:cut + len(eos)]):
             raise ValueError(f"the chat template of {getattr(self.tokenizer, 'name_or_path', 'the tokenizer')} does "
                              f"not end an answer with its EOS {eos!r}: observations cannot follow the answer's tokens")
-        return self.tokenizer(full[cut + len(eos):], add_special_tokens=False)["input_ids"]
+        return full[cut + len(eos):]
+
+    def ids(self, text: str) -> list[int]:
+        """The token ids after an answer's EOS: the observation ``text`` and the next answer's header."""
+        return self.tokenizer(self.text(text), add_special_tokens=False)["input_ids"]

@@ -6,39 +6,54 @@ from chatlearn.envs.base import Environment
 from chatlearn.tools.calls import CallError, parse_tool_calls, render_tool_response
 from chatlearn.tools.registry import ToolRegistry, calculator_tool, python_tool
 
-__all__ = ["ToolEnvironment"]
+__all__ = ["TOOLS", "ToolEnvironment"]
 
+# the tools an environment may name (``env_args: {tools: [...]}``), each made fresh per environment
 TOOLS = {"calculator": calculator_tool, "python": python_tool}
 
 
 class ToolEnvironment(Environment):
-    """Each answer with ``<tool_call>`` blocks gets the tools' results (errors included: a malformed call is an
-    observation saying what is wrong) and the conversation goes on; the first answer without a call is final and
-    judged (`judge`, the subclass's). ``info`` counts the calls and the failed ones."""
+    """Tool calls until a final answer, which the subclass judges.
+
+    An answer with ``<tool_call>`` blocks gets the tools' results as the next tool turn, reward 0, and the
+    conversation goes on. Nothing raises on a bad call: a malformed one (bad JSON, unknown tool, wrong arguments,
+    an unclosed block) and a tool that fails both come back as an ``Error: ...`` result saying what was wrong. One
+    result is the observation as it is (the chat template wraps a tool message itself); several are each wrapped
+    as ``<tool_response>`` blocks, which `chatlearn.envs.render` renders as that many tool messages. ``info``
+    counts the calls and the failed ones (``tool_calls``, ``tool_errors``).
+
+    The first answer without a call is final: ``done`` with reward ``judge(answer)``. ``self.sample`` (the reset
+    sample) and the counters ``calls``, ``errors`` and ``succeeded`` (calls that ran without an error) are there
+    for ``judge``."""
 
     def __init__(self, tools: list[str] | None = None) -> None:
-        names = tools or ["calculator"]
+        names = ["calculator"] if tools is None else list(tools)
         unknown = [n for n in names if n not in TOOLS]
-        if unknown:
-            raise ValueError(f"unknown tools {unknown}; known: {sorted(TOOLS)}")
+        if unknown or not names:
+            raise ValueError(f"unknown tools {unknown}; known: {sorted(TOOLS)}" if unknown else
+                             f"a tool environment needs at least one tool; known: {sorted(TOOLS)}")
         self.registry = ToolRegistry([TOOLS[n]() for n in names])
-        self.calls = 0
+        self.sample: dict[str, Any] = {}
+        self.calls = self.errors = self.succeeded = 0
 
     def reset(self, sample: dict[str, Any]) -> None:
         self.sample = sample
+        self.calls = self.errors = self.succeeded = 0
 
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         calls = parse_tool_calls(action, self.registry.parameters())
         if not calls:
-            return "", self.judge(action), True, {}
+            return "", float(self.judge(action)), True, {}
         results = [c.observation if isinstance(c, CallError) else self.registry.call(c.name, c.arguments)
                    for c in calls]
-        self.calls += len(calls)
+        # a tool's own failure comes back from the registry as "Error: ...", as a malformed call's does
         errors = sum(isinstance(c, CallError) or r.startswith("Error:") for c, r in zip(calls, results, strict=True))
-        # several results in one tool turn: each wrapped as the templates wrap one (the template wraps nothing)
+        self.calls += len(calls)
+        self.errors += errors
+        self.succeeded += len(calls) - errors
         text = results[0] if len(results) == 1 else "\n".join(render_tool_response(r) for r in results)
         return text, 0.0, False, {"tool_calls": len(calls), "tool_errors": errors}
 
     def judge(self, answer: str) -> float:
-        """The reward of the final answer (no tool call in it)."""
-        raise NotImplementedError
+        """The reward of the final answer (an answer with no tool call); the subclass's to define."""
+        raise NotImplementedError(f"{type(self).__name__}.judge")

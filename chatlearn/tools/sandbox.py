@@ -70,7 +70,9 @@ class SandboxResult:
             text += "\n[killed: CPU time or resource limit]"
         elif self.signal is not None and not self.truncated:
             text += f"\n[killed by signal {signal.Signals(self.signal).name}]"
-        elif self.exit_code not in (0, None):
+        elif self.exit_code not in (0, None) and not self.truncated:
+            # cut off, a program may exit on its own first (Python's 120: stdout could not be flushed): the cap
+            # stopped it either way
             text += f"\n[exit code {self.exit_code}]"
         return text.strip("\n") or "[no output]"
 
