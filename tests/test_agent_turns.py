@@ -180,3 +180,27 @@ def problems_of(config: str, *overrides: str) -> str:
     except ConfigError as exc:
         return "\n".join(exc.problems)
     return ""
+
+
+def test_an_answer_cut_off_before_its_eos_is_closed_by_the_observation():
+    """A templated tokenizer's observation follows an answer's EOS; an answer that ran out of tokens has none,
+    so the observation brings it (loss mask 0): the conversation reads as the template renders it. An answer
+    that ended keeps its own EOS and gets none more."""
+    from chatlearn.models.hf.tiny import build_family_tokenizer
+
+    tok = build_family_tokenizer("qwen2")
+    renderer = ObservationRenderer(tok)
+    words = tok("12", add_special_tokens=False)["input_ids"]
+    ended = torch.tensor(words + [tok.eos_token_id])
+    cut = torch.tensor(words)
+    batch = collate_samples([
+        {"prompt_ids": torch.tensor([5, 6]), "prompt_mask": torch.ones(2, dtype=torch.long), "response_ids": r,
+         "response_mask": torch.ones(len(r)), "logprobs": torch.zeros(len(r)), "sample_id": sid}
+        for sid, r in ((0, ended), (1, cut))], tok.pad_token_id)
+    result = step_conversations(batch, None, 1, _spec(f"{__name__}:CountingEnv"), renderer)
+    assert [s["sample_id"] for s in result.going] == [0, 1]
+    obs = renderer.ids("read 2 chars, turn 1")
+    first, second = result.going
+    assert first["response_ids"].tolist() == ended.tolist() + obs
+    assert second["response_ids"].tolist() == cut.tolist() + [tok.eos_token_id] + obs
+    assert second["loss_mask"].tolist() == [1.0] * len(cut) + [0.0] * (1 + len(obs))

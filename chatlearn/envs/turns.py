@@ -116,6 +116,11 @@ def step_conversations(batch: dict[str, Any], envs: list[Any] | None, turn: int,
         for key in ("tool_calls", "tool_errors"):
             sample[key] = int(sample.get(key, 0)) + int(info.get(key, 0))
         ids = renderer.ids(obs) if not done and turn < spec.max_turns else []
+        eos = renderer.tokenizer.eos_token_id
+        if ids and renderer.templated and (length == 0 or int(sample["response_ids"][length - 1]) != eos):
+            # an answer cut off by max_new_tokens: its message ends as the template ends one (the EOS is the
+            # observation's, out of the loss), so the conversation reads as the template renders it
+            ids = [eos, *ids]
         if done or turn >= spec.max_turns or length + len(ids) + spec.max_new_tokens > spec.max_total_tokens:
             sample["turn_start"] = length
             # the whole conversation after the prompt, turn separators kept: what eval examples and rewards read
