@@ -162,6 +162,8 @@ def test_agent_config_checks_name_their_fields():
     assert problems("runtime.task_type=agent", env) == ""
     assert "runtime.task_type" in problems("runtime.task_type=agents")
     assert "runtime.agent.max_turns: only used with runtime.task_type: agent" in problems("runtime.agent.max_turns=3")
+    # every field given at its default, as a deployment's form sends them: nothing to remove
+    assert problems("runtime.agent.max_turns=4", "runtime.agent.retries=0", "runtime.agent.env_args={}") == ""
     assert "runtime.agent.env: task_type: agent needs an environment class" in problems("runtime.task_type=agent")
     assert "runtime.agent.env: chatlearn.tasks.max_digit:make_records is not an environment class" in problems(
         "runtime.task_type=agent", "runtime.agent.env=chatlearn.tasks.max_digit:make_records")

@@ -350,8 +350,9 @@ def _agent(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping
     conversations turn by turn (``continues_responses``); the environment class loads and has reset/step."""
     rt = cfg.runtime
     agent = rt.agent
-    if rt.task_type != "agent":
-        changed = sorted(agent.model_fields_set)
+    if rt.task_type != "agent":  # a value other than the default (a deployment's form sends every field)
+        default = type(agent)()
+        changed = [f for f in type(agent).model_fields if getattr(agent, f) != getattr(default, f)]
         return [f"runtime.agent.{f}: only used with runtime.task_type: agent; remove it" for f in changed]
     problems = []
     src = next((s for s, d in spec.sync if d == "policy" and s in cfg.models and d in cfg.models), None)
