@@ -149,9 +149,9 @@ def test_environment_seeds_are_per_sample_and_apart_for_eval():
     assert len(seeds) == 200 and env_seed(42, 3, False) == env_seed(42, 3, False)
 
 
-def problems(*overrides: str) -> str:
+def problems(*overrides: str, config: str = "grpo") -> str:
     try:
-        load_config(f"{REPO}/configs/grpo.yaml", list(overrides), [EngineChecks()])
+        load_config(f"{REPO}/configs/{config}.yaml", list(overrides), [EngineChecks()])
     except ConfigError as exc:
         return "\n".join(exc.problems)
     return ""
@@ -173,15 +173,7 @@ def test_agent_config_checks_name_their_fields():
     assert "runtime.agent.max_total_tokens: 1 is less than models.policy max_new_tokens (2)" in problems(
         "runtime.task_type=agent", env, "runtime.agent.max_total_tokens=1")
     assert "the 'dpo' engine has no policy-gradient trainer" in (
-        problems_of("dpo", "runtime.task_type=agent", env))
-
-
-def problems_of(config: str, *overrides: str) -> str:
-    try:
-        load_config(f"{REPO}/configs/{config}.yaml", list(overrides), [EngineChecks()])
-    except ConfigError as exc:
-        return "\n".join(exc.problems)
-    return ""
+        problems("runtime.task_type=agent", env, config="dpo"))
 
 
 def test_an_answer_cut_off_before_its_eos_is_closed_by_the_observation():

@@ -19,7 +19,6 @@ Run `python -m chatlearn.tasks.agent_calculator OUT_DIR` (default ``configs/data
 JSONL files.
 """
 
-import json
 import random
 import re
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 
 from chatlearn.envs.rewards import env_reward
 from chatlearn.envs.tool_env import ToolEnvironment
+from chatlearn.tasks.max_digit import write_jsonl
 
 __all__ = ["CalculatorTask", "call_text", "digits_score", "env_reward", "eval_metrics", "last_integer",
            "make_records"]
@@ -96,10 +96,6 @@ def eval_metrics(results: list[dict], context: dict) -> dict:
     if counted:
         metrics["eval_tool_calls_mean"] = sum(counted) / len(counted)
     return metrics
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 if __name__ == "__main__":
