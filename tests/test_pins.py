@@ -227,8 +227,9 @@ def test_every_config_field_that_names_code_is_pinned():
 # Every place that imports code a config names, and the pinned field it imports from. A new place (a new call of
 # these) fails the test below: pin the field it imports (CODE_FIELDS) and add it here.
 IMPORTERS = {
-    ("chatlearn/config/engine_checks.py", "import_object"),  # runtime.engine, models.*.args_dict.module, agent.env
-    ("chatlearn/envs/base.py", "import_object"),  # runtime.agent.env
+    ("chatlearn/config/engine_checks.py", "import_object"),  # runtime.engine, models.*.args_dict.module
+    ("chatlearn/config/engine_checks.py", "import_class"),  # runtime.agent.env
+    ("chatlearn/envs/base.py", "import_class"),  # runtime.agent.env
     ("chatlearn/envs/gym.py", "import_object"),  # runtime.agent.env_args.factory
     ("chatlearn/config/engine_checks.py", "import_callable"),  # runtime.relay_sample_fn, eval_post_process_fn
     ("chatlearn/runtime/engines.py", "import_object"),  # runtime.engine, models.*.args_dict.module
@@ -241,7 +242,7 @@ IMPORTERS = {
     ("chatlearn/utils/imports.py", "import_object"),
     ("chatlearn/__init__.py", "import_module"),  # the package's own lazy names, no config
 }
-IMPORTING_CALLS = {"import_object", "import_callable", "load_hook", "import_module", "__import__",
+IMPORTING_CALLS = {"import_object", "import_callable", "import_class", "load_hook", "import_module", "__import__",
                    "spec_from_file_location", "run_path", "exec_module", "load_entry_point"}
 
 

@@ -23,7 +23,7 @@ from chatlearn.config.model import PARALLEL_KEYS
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.config.support import unsupported_values
 from chatlearn.config.user_code import user_code
-from chatlearn.utils.imports import import_callable, import_object
+from chatlearn.utils.imports import import_callable, import_class, import_object
 
 __all__ = ["EngineChecks", "engine_name", "group_size", "module_class_path"]
 
@@ -362,15 +362,10 @@ def _agent(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping
     if agent.env is None:
         problems.append("runtime.agent.env: task_type: agent needs an environment class, 'package.module:Class'")
     else:
-        try:
-            env_cls = import_object(agent.env, "Class")
-        except ValueError as exc:
+        try:  # the check chatlearn.envs.base.load_environment makes (this layer cannot import that one)
+            import_class(agent.env, ("reset", "step"), "an environment class")
+        except (ValueError, TypeError) as exc:
             problems.append(f"runtime.agent.env: {exc}")
-        else:
-            missing = [m for m in ("reset", "step") if not callable(getattr(env_cls, m, None))]
-            if not isinstance(env_cls, type) or missing:
-                problems.append(f"runtime.agent.env: {agent.env} is not an environment class (needs reset(sample) "
-                                f"and step(action){'; missing ' + ', '.join(missing) if missing else ''})")
     cls = _module_class("policy", cfg, modules, engine)
     if cls is not None and not getattr(cls, "continues_responses", False):
         problems.append(f"runtime.task_type: agent: models.policy's module {cls.__name__} cannot continue a "

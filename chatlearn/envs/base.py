@@ -8,9 +8,11 @@ import math
 from typing import Any
 
 from chatlearn.utils.errors import RunError
-from chatlearn.utils.imports import import_object
+from chatlearn.utils.imports import import_class
 
-__all__ = ["EnvError", "Environment", "check_reset", "check_step", "load_environment"]
+__all__ = ["ENV_METHODS", "EnvError", "Environment", "check_reset", "check_step", "load_environment"]
+
+ENV_METHODS = ("reset", "step")  # what an environment class has
 
 
 class EnvError(RunError):
@@ -44,15 +46,10 @@ def load_environment(spec: str) -> type:
     """The environment class ``spec`` names (``package.module:Class`` or ``file.py:Class``, imported as every
     other config hook is). An import failure is a ValueError naming the spec; something that is not a class with
     ``reset`` and ``step`` an EnvError naming it."""
-    obj = import_object(spec, "Class")
-    if not isinstance(obj, type):
-        raise EnvError(f"{spec} is not an environment class (reset(sample) and step(action)): it is a "
-                       f"{type(obj).__name__}")
-    missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
-    if missing:
-        raise EnvError(f"{spec} is not an environment class (reset(sample) and step(action)): it has no "
-                       f"{' and no '.join(missing)} method")
-    return obj
+    try:
+        return import_class(spec, ENV_METHODS, "an environment class")
+    except TypeError as exc:
+        raise EnvError(str(exc)) from None
 
 
 def _short(value: Any) -> str:

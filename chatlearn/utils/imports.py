@@ -139,3 +139,17 @@ def import_callable(spec: str, what: str = "function") -> Callable[..., Any]:
     if not callable(obj):
         raise ValueError(f"{spec!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def import_class(spec: str, methods: tuple[str, ...], kind: str) -> type:
+    """`import_object` for a class named in a config that must have ``methods`` (e.g. an environment's ``reset``
+    and ``step``). Import errors are ValueErrors as `import_object`'s; an object that is no such class is a
+    TypeError naming the spec, ``kind`` (e.g. "an environment class") and what it lacks."""
+    obj = import_object(spec, "Class")
+    needs = " and ".join(f"{m}()" for m in methods)
+    if not isinstance(obj, type):
+        raise TypeError(f"{spec} is not {kind} ({needs}): it is a {type(obj).__name__}")
+    missing = [m for m in methods if not callable(getattr(obj, m, None))]
+    if missing:
+        raise TypeError(f"{spec} is not {kind} ({needs}): it has no {' and no '.join(missing)} method")
+    return obj
