@@ -11,10 +11,9 @@ fit in ``max_total_tokens`` after the observation.
 An ended conversation's ``response`` is its whole text after the prompt, decoded with the turn separators
 (the policy's own ``response`` is one answer). Every sample leaving a step carries the same fields, so samples
 that ended in different turns batch together: ``loss_mask``, ``turn_start``, ``env_reward`` (the sum of its
-rewards), ``turns``, ``tool_calls``, ``tool_errors``, ``env_seconds``.
+rewards), ``turns``, ``tool_calls``, ``tool_errors``.
 """
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +94,6 @@ def step_conversations(batch: dict[str, Any], envs: list[Any] | None, turn: int,
         start = int(sample.get("turn_start", 0))
         if "loss_mask" not in sample:  # a first answer: every token the policy's
             sample["loss_mask"] = torch.ones(length, dtype=torch.float32)
-        t0 = time.perf_counter()
         try:
             if envs is None:
                 env = cls(**spec.env_args)
@@ -110,7 +108,6 @@ def step_conversations(batch: dict[str, Any], envs: list[Any] | None, turn: int,
             raise
         except Exception as exc:
             raise EnvError(f"{where} raised {type(exc).__name__}: {exc}") from exc
-        sample["env_seconds"] = float(sample.get("env_seconds", 0.0)) + time.perf_counter() - t0
         sample["env_reward"] = float(sample.get("env_reward", 0.0)) + reward
         sample["turns"] = turn
         for key in ("tool_calls", "tool_errors"):
