@@ -242,19 +242,24 @@ def test_the_drivers_files_and_environment_are_out_of_reach(box, isolation, tmp_
     secret = tmp_path / "secret.txt"
     secret.write_text("TOPSECRET")
     os.chmod(secret, 0o600)
+    readable = tmp_path / "readable.txt"  # world-readable: only the private root keeps it out of reach
+    readable.write_text("READABLE")
+    os.chmod(readable, 0o644)
+    os.chmod(tmp_path, 0o755)
     monkeypatch.setenv("CHATLEARN_SECRET", "hunter2")
     repo_file = os.path.abspath(__file__)
     code = "import os\n" + "".join(
         f"try:\n    print({label!r}, open({path!r}).read()[:40])\nexcept OSError as e:\n"
         f"    print({label!r}, 'DENIED', type(e).__name__)\n"
         for label, path in [("secret", str(secret)), ("environ", f"/proc/{os.getpid()}/environ"),
-                            ("repo", repo_file), ("shadow", "/etc/shadow"), ("root", "/root/.bashrc")]) + \
+                            ("repo", repo_file), ("shadow", "/etc/shadow"), ("readable", str(readable))]) + \
         "print('env', dict(os.environ))\nprint('pids', sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
     r = box.run(code)
     lines = dict(line.split(" ", 1) for line in r.output.splitlines())
-    for label in ("secret", "environ", "repo", "shadow", "root"):
+    for label in ("secret", "environ", "repo", "shadow", "readable"):
         assert lines[label].startswith("DENIED"), (label, lines[label])
-    assert "hunter2" not in r.output and "TOPSECRET" not in r.output and "HOME" not in lines["env"]
+    assert "hunter2" not in r.output and "TOPSECRET" not in r.output and "READABLE" not in r.output
+    assert "HOME" not in lines["env"]
     assert lines["pids"] == "['1']"  # only the sandbox itself
 
 
