@@ -37,7 +37,8 @@ def main() -> None:
     evals = [r for r in rows if r.get("eval_reward_mean") is not None]
     table = [{"episode": r["episode"], "eval_reward_mean": r["eval_reward_mean"],
               "eval_turns_mean": r.get("eval_turns_mean"), "eval_tool_calls_mean": r.get("eval_tool_calls_mean"),
-              "reward_mean": r.get("reward_mean"), "turns_mean": r.get("turns_mean")} for r in evals]
+              "reward_mean": r.get("reward_mean"), "turns_mean": r.get("turns_mean"),
+              "tool_calls_mean": r.get("tool_calls_mean")} for r in evals]
     before = next((r["eval_reward_mean_before_training"] for r in rows if "eval_reward_mean_before_training" in r),
                   None)
     env_share = statistics.median(r["env_seconds"] / r["episode_seconds"] for r in rows if r.get("episode_seconds"))
@@ -45,10 +46,12 @@ def main() -> None:
           f"{100 * env_share:.1f} % of an episode")
     if before is not None:
         print(f"eval reward before training: {before:.3f}")
-    print(f"{'episode':>7} {'eval reward':>11} {'eval turns':>10} {'eval tools':>10} {'reward':>7} {'turns':>6}")
+    print(f"{'episode':>7} {'eval reward':>11} {'eval turns':>10} {'eval tools':>10} {'reward':>7} {'turns':>6} "
+          f"{'tools':>6}")
     for r in table:
         print(f"{r['episode']:>7} {r['eval_reward_mean']:>11.3f} {r['eval_turns_mean'] or 0:>10.2f} "
-              f"{r['eval_tool_calls_mean'] or 0:>10.2f} {r['reward_mean'] or 0:>7.3f} {r['turns_mean'] or 0:>6.2f}")
+              f"{r['eval_tool_calls_mean'] or 0:>10.2f} {r['reward_mean'] or 0:>7.3f} {r['turns_mean'] or 0:>6.2f} "
+              f"{r['tool_calls_mean'] or 0:>6.2f}")
     out = BENCH / "results" / f"agent-{name}.json"
     out.write_text(json.dumps({"config": args.config, "episodes": args.episodes, "wall_seconds": wall,
                                "env_share_median": env_share, "eval_before_training": before, "evals": table,
@@ -65,7 +68,10 @@ def main() -> None:
     twin = ax.twinx()
     twin.plot([r["episode"] for r in table], [r["eval_turns_mean"] or 0 for r in table], color="gray",
               linestyle="--", label="eval turns")
-    twin.set_ylabel("turns per conversation")
+    if any(r["eval_tool_calls_mean"] for r in table):
+        twin.plot([r["episode"] for r in table], [r["eval_tool_calls_mean"] or 0 for r in table], color="green",
+                  linestyle=":", label="eval tool calls")
+    twin.set_ylabel("per conversation")
     ax.set_title(name)
     fig.legend(loc="lower right")
     fig.tight_layout()

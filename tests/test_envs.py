@@ -2,6 +2,8 @@
 rendered as each family's chat template renders a tool turn, the tool environment and the calculator task."""
 
 import json
+import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,9 @@ from chatlearn.envs.render import ObservationRenderer, split_tool_responses
 from chatlearn.envs.tool_env import ToolEnvironment
 from chatlearn.models.hf.tiny import build_char_tokenizer, build_family_tokenizer
 from chatlearn.tasks.agent_calculator import (
+    CALL_PROBABILITY,
     CalculatorTask,
+    _rows,
     call_text,
     digits_score,
     env_reward,
@@ -211,6 +215,46 @@ def test_calculator_records_are_seeded_sums_shipped_as_generated_and_the_eval_ho
     assert eval_metrics([{"scores": 0.5}], {}) == {"eval_reward_mean": 0.5, "eval_exact_match": 0.0,
                                                    "eval_called_tool": 0.0}
     assert env_reward({"env_reward": 0.75}) == 0.75
+
+
+def test_the_calculator_warm_up_trains_on_conversations_as_a_rollout_holds_them():
+    """`warm_start`'s rows (the tiny Qwen2 of configs/tiny_qwen2_calculator.yaml): a call is the prompt, the call
+    and its EOS, the calculator's result rendered as the template's tool turn (the renderer rollouts use), then
+    the result and EOS, the loss on both answers and not on the prompt or the tool turn; a guess is a wrong sum in
+    words. The first answer token is trained in a share of the calls that makes a call the first token with
+    probability CALL_PROBABILITY."""
+    tok = build_family_tokenizer("qwen2")
+    renderer = ObservationRenderer(tok)
+    records = make_records(600, seed=5)
+    ids, attention, mask = _rows(tok, renderer, records, random.Random(0))
+    eos = [tok.eos_token_id]
+    firsts = {"call": 0, "guess": 0}
+    for rec, row, att, weights in zip(records, ids, attention, mask, strict=True):
+        n = int(att.sum())
+        assert att[:n].all() and not att[n:].any() and not weights[n:].any()
+        row, weights = row[:n].tolist(), weights[:n].tolist()
+        prompt = tok(tok.apply_chat_template(rec["prompt"], tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        assert row[:len(prompt)] == prompt and not any(weights[:len(prompt)])
+        answer, learned = row[len(prompt):], weights[len(prompt):]
+        call = tok(call_text(rec["prompt"][0]["content"]), add_special_tokens=False)["input_ids"] + eos
+        if answer[:len(call)] == call:
+            env = CalculatorTask()
+            env.reset(rec)
+            result = env.step(tok.decode(call[:-1]))[0]
+            assert result == rec["answer"]
+            tool_turn, final = renderer.ids(result), tok(result, add_special_tokens=False)["input_ids"] + eos
+            assert answer == call + tool_turn + final
+            assert learned[1:] == [1.0] * (len(call) - 1) + [0.0] * len(tool_turn) + [1.0] * len(final)
+            firsts["call"] += learned[0] == 1.0
+        else:
+            text = tok.decode(answer[:-1])
+            assert answer[-1:] == eos and learned == [1.0] * len(answer)
+            assert re.fullmatch(r"The sum is \d+\.", text) and len(last_integer(text)) == len(rec["answer"])
+            assert digits_score(text, rec["answer"]) < 1.0
+            firsts["guess"] += 1
+    assert 0.4 < sum(firsts.values()) / len(records) < 0.9  # about 1/2 + 1/6: guesses and the calls deciding
+    assert firsts["call"] / sum(firsts.values()) == pytest.approx(CALL_PROBABILITY, abs=0.06)
 
 
 def test_higher_lower_says_higher_or_lower_until_the_guess_is_right():

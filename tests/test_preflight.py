@@ -193,3 +193,33 @@ def test_the_command_exits_2_before_prefect_or_ray_start(command, override, firs
         assert lines[1].startswith(f"  - models.policy.args_dict.model_path: '{tmp_path}/final/polcy' does not exist")
     assert os.listdir(home) == []  # no server.json: no Prefect server was started (ray.init would have raised)
     assert not (tmp_path / "out").exists()  # no run directory either
+
+
+def mark_norm(model, tokenizer, seed):
+    """A warm start that leaves a mark: the final norm's weight set to the seed."""
+    assert tokenizer.eos_token_id is not None
+    model.model.norm.weight.data.fill_(float(seed))
+
+
+def test_a_warm_start_runs_on_the_random_init_before_the_model_is_saved_and_is_part_of_its_spec(tmp_path,
+                                                                                                 monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.models.hf import tiny
+
+    monkeypatch.setitem(tiny.WARM_STARTS, "calculator", "tests.test_preflight:mark_norm")
+    spec = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "max_position_embeddings": 16,
+            "seed": 7, "warm_start": "calculator"}
+    path = tiny.ensure_tiny_model(tmp_path / "warm", spec)
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(path).model.norm.weight, torch.full((32,), 7.0))
+    cold = tiny.ensure_tiny_model(tmp_path / "cold", {**spec, "warm_start": None})
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(cold).model.norm.weight, torch.ones(32))
+    with pytest.raises(ValueError, match="built with a different spec"):  # not silently the other model
+        tiny.ensure_tiny_model(tmp_path / "warm", {**spec, "warm_start": None})
+    with pytest.raises(ConfigError) as err:
+        checked(tmp_path, f"models.policy.args_dict.tiny_model_path={tmp_path / 'p'}",
+                f"models.policy.args_dict.model_path={tmp_path / 'p'}",
+                "models.policy.args_dict.tiny_model.warm_start=gsm8k")
+    assert err.value.problems == ["models.policy.args_dict.tiny_model.warm_start: Input should be 'calculator'"]
+    assert not (tmp_path / "p").exists()

@@ -21,7 +21,9 @@ tokens, EOS/pad/BOS roles and chat template (`build_family_tokenizer`).
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -42,6 +44,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from chatlearn.utils.imports import import_callable
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 # Characters of the vocabulary: digits first (the verifiable tasks answer in digits), then a few symbols and
 # lowercase letters so prompts stay readable.
@@ -55,6 +59,11 @@ ARCHITECTURES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
 }
+
+
+# warm_start name -> the function run as ``fn(model, tokenizer, seed=spec.seed)``, by name so that a config
+# (or a deployment's run form) chooses among these and names no code of its own
+WARM_STARTS = {"calculator": "chatlearn.tasks.agent_calculator:warm_start"}  # the tool-call format
 
 
 class TinyModelSpec(BaseModel):
@@ -80,6 +89,9 @@ class TinyModelSpec(BaseModel):
     # template (`build_family_tokenizer`)
     tokenizer: Literal["char", "family"] = "char"
     seed: int = 1234
+    # a supervised warm-up run on the random-init model before it is saved (`WARM_STARTS`), standing in for the
+    # instruction tuning RL starts from on real models; None: the random init as it is
+    warm_start: Literal["calculator"] | None = None
 
     @model_validator(mode="after")
     def _family_traits(self) -> "TinyModelSpec":
@@ -231,6 +243,13 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
+    if spec.warm_start:
+        # minutes on a CPU, once: the terminal says why nothing else happens meanwhile
+        print(f"chatlearn: building the tiny model at {path} with the {spec.warm_start!r} warm start (once; a few "
+              "minutes on two cores)", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        import_callable(WARM_STARTS[spec.warm_start])(model, tokenizer, seed=spec.seed)
+        print(f"chatlearn: warm start done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
