@@ -302,3 +302,16 @@ def test_a_gymnasium_style_text_environment_is_wrapped_directly():
     assert env.step("0") == ("0", 1.0, True, {"right": True})  # terminated at zero
     with pytest.raises(ValueError, match="nosuch"):
         GymTextEnv(factory="nosuch:make")
+
+
+def test_the_calculator_config_checks_and_builds_its_policy_with_the_warm_start():
+    """configs/agent_calculator.yaml passes the config checks as shipped: GRPO over CalculatorTask conversations,
+    every model the warm-started tiny Qwen2 (built on first use; bench/agent.py runs it)."""
+    from chatlearn.config import EngineChecks, load_config
+
+    cfg = load_config("agent_calculator", [], [EngineChecks(None)])
+    assert cfg.runtime.task_type == "agent" and cfg.runtime.engine == "grpo"
+    assert cfg.runtime.agent.env == "chatlearn.tasks.agent_calculator:CalculatorTask"
+    specs = {name: cfg.models[name].args_dict["tiny_model"] for name in ("policy", "reference", "ppo_policy")}
+    assert all(s["warm_start"] == "calculator" and s["tokenizer"] == "family" for s in specs.values())
+    assert len({str(s) for s in specs.values()}) == 1  # one model, built once

@@ -235,6 +235,7 @@ IMPORTERS = {
     ("chatlearn/runtime/engines.py", "import_object"),  # runtime.engine, models.*.args_dict.module
     ("chatlearn/models/rule.py", "import_callable"),  # models.*.args_dict.reward_fn
     ("chatlearn/models/hf/reward.py", "import_callable"),  # models.*.args_dict.reward_fn
+    ("chatlearn/models/hf/tiny.py", "import_callable"),  # WARM_STARTS[tiny_model.warm_start]: a name, our code
     ("chatlearn/data/relay.py", "import_callable"),  # load_hook: the two below
     ("chatlearn/runtime/records/evaluation.py", "load_hook"),  # runtime.eval_post_process_fn
     ("chatlearn/runtime/cluster/stream_dataset.py", "load_hook"),  # runtime.relay_sample_fn
