@@ -73,7 +73,8 @@ def main() -> None:
                   linestyle=":", label="eval tool calls")
     twin.set_ylabel("per conversation")
     ax.set_title(name)
-    fig.legend(loc="lower right")
+    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="center right", fontsize="small")
     fig.tight_layout()
     fig.savefig(BENCH / "results" / f"agent-{name}.png", dpi=100)
     print(f"wrote {out}")

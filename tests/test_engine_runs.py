@@ -249,13 +249,15 @@ def test_pipelined_grpo_overlaps_its_episodes_and_resumes_bit_identical(prefect_
     assert [sorted(r["policy_versions"]) for r in ref] == [["0"], ["1"], ["2"]]
     runs = _stage_runs("async-ref", ["episode-1", "episode-2", "episode-3"], ("generate", "score", "train"))
     assert len(runs) == 9
-    # episode 3 starts generating as episode 2's gate opens, its flow run created an episode before: its
-    # generate runs beside episode 2's score and train. (Episode 2's own flow run is created while episode 1
-    # generates, a fraction of a second here: on a loaded machine the API can take longer than that pair's
-    # whole overlap, so the first pair is not asserted.)
-    busy = (runs["episode-2", "score"].start_time, runs["episode-2", "train"].end_time)
-    gen = runs["episode-3", "generate"]
-    assert gen.start_time < busy[1] and gen.end_time > busy[0], (busy, gen.start_time, gen.end_time)
+    # episode N+1 starts generating as episode N's gate opens, its flow run created ahead: its generate runs
+    # beside episode N's score and train. Each pair overlaps by a fraction of a second here, and a loaded machine
+    # (the API answering late, the episode thread waiting for a core) can miss that window for one pair: the
+    # overlap must show in at least one of the two (in the full suite, episode 3's generate once started 0.6 s
+    # after episode 2's train ended).
+    spans = {n: ((runs[f"episode-{n}", "score"].start_time, runs[f"episode-{n}", "train"].end_time),
+                 (runs[f"episode-{n + 1}", "generate"].start_time, runs[f"episode-{n + 1}", "generate"].end_time))
+             for n in (1, 2)}
+    assert any(gen[0] < busy[1] and gen[1] > busy[0] for busy, gen in spans.values()), spans
     _, ref_rows = killed_and_resumed("grpo_async", tmp_path, "async-ref", "async-killed", "after_generate:1", timing,
                                      tiny_model_dir, monkeypatch, capsys)
     # the policy's own process SIGKILLed at the same point: recreated, and the run redoes episode 2 exactly

@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -141,7 +142,16 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
                 any_=["default-progress", "default-metrics", "default-eval-examples"])))
             return runs, tasks, arts
 
-    runs, tasks, arts = asyncio.run(episode_runs())
+    # the server writes task runs in batches (flushed every second): read until the rule reward's are all there
+    deadline = time.monotonic() + 30
+    while True:
+        runs, tasks, arts = asyncio.run(episode_runs())
+        ids = {t.id for t in tasks}
+        rule = [t for t in tasks if t.name.startswith("rule-reward-")]
+        if (len(rule) >= 6 and all(t.task_inputs["__parents__"][0].id in ids for t in rule)) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert {r.name for r in runs} >= {"episode-1", "episode-2"}  # counted from 1, as the terminal counts
     assert all(r.state.is_completed() for r in runs if r.name in ("episode-1", "episode-2"))
     # the rule reward scores each generation batch in a Prefect task run of its own (on Ray), under the
