@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from chatlearn.algorithms.ppo import masked_mean
 from chatlearn.envs.render import ObservationRenderer
 from chatlearn.envs.rewards import env_reward
 from chatlearn.envs.tool_env import ToolEnvironment
@@ -186,8 +187,7 @@ def warm_start(model: torch.nn.Module, tokenizer: Any, seed: int, steps: int = 6
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
             nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                                     reduction="none")
-            weights = mask[:, 1:].reshape(-1)
-            loss = (nll * weights).sum() / weights.sum()
+            loss = masked_mean(nll, mask[:, 1:].reshape(-1))
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

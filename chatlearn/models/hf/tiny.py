@@ -91,7 +91,7 @@ class TinyModelSpec(BaseModel):
     seed: int = 1234
     # a supervised warm-up run on the random-init model before it is saved (`WARM_STARTS`), standing in for the
     # instruction tuning RL starts from on real models; None: the random init as it is
-    warm_start: Literal["calculator"] | None = None
+    warm_start: Literal[tuple(WARM_STARTS)] | None = None
 
     @model_validator(mode="after")
     def _family_traits(self) -> "TinyModelSpec":
