@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak gpu-smoke clean
+.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak bench-precision gpu-smoke clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,10 @@ bench-mfu: setup
 # seconds per sample at 128 / 512 / 2048 samples per episode and with 1 / 2 / 4 policy replicas (table + PNG)
 bench-scaling: setup
 	$(BIN)/python bench/scaling.py
+
+# the embedded default's reward curve and episode time in bf16 against fp32, one run each (about 4 minutes)
+bench-precision: setup
+	$(BIN)/python bench/precision.py
 
 # 200 short episodes, SIGKILLing the driver and the model process at random: recoveries, and whether the final
 # weights equal an undisturbed run's (about an hour here; not part of `bench`)
