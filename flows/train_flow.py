@@ -252,7 +252,8 @@ def _start_partial(cfg: ChatLearnConfig, run: RunHandle, resumed: DataCheckpoint
     (`chatlearn.data.partial_rollout`)."""
     rt = cfg.runtime
     budgets = rt.partial_rollout_manager_config.round_budgets(max_new_tokens(cfg, run.plan.producer))
-    run.partial = PartialRollouts(budgets, run.group_size, run.generation_batch_size, keep=rt.max_staleness + 1)
+    run.partial = PartialRollouts(budgets, run.group_size, run.generation_batch_size, keep=rt.max_staleness + 1,
+                                  mini_response=rt.partial_rollout_manager_config.mini_response_per_prompt)
     buffer = None
     if resumed is not None:
         if not resumed.partial_rollouts:

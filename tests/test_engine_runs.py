@@ -115,11 +115,14 @@ RESUME_ARGS = [*SMALL, "runtime.save_episode_interval=1", "runtime.eval_episode_
                "runtime.enable_eval_before_training=false"]
 # GRPO resumes through issue 25's paths: continuous batching (6 slots for 16 prompts: slots refill; responses
 # up to 12 tokens), and the reference and trainer packed, 48-token micro-batches (the global batch re-cut); and
-# issue 26's partial rollouts: two rounds of 6 tokens, the responses in flight checkpointed with episode 1
+# issue 26's partial rollouts: two rounds of 6 tokens, the responses in flight checkpointed with episode 1, and
+# each response trained as it finishes (mini_response_per_prompt 0): episode 1 trains its one early EOS, a part
+# of its group, whose rest trains in episode 2, after the checkpoint (1 of 8 would otherwise wait for it)
 RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.args_dict.max_num_seqs=6",
                          "models.policy.args_dict.max_new_tokens=12", "models.reference.packing=true",
                          "models.ppo_policy.packing=true", "models.ppo_policy.max_token_in_packing=48",
-                         "runtime.use_partial_rollout=true", "runtime.stream_data_loader_type=dynamic"],
+                         "runtime.use_partial_rollout=true", "runtime.stream_data_loader_type=dynamic",
+                         "runtime.partial_rollout_manager_config.mini_response_per_prompt=0"],
                 # issue 27's dynamic sampling: one-token answers (the overlong penalty the same for all) in groups
                 # of 4, so groups all wrong are common: each episode generates a second round of prompts
                 "dapo": ["models.policy.args_dict.max_new_tokens=1", "models.reward.args_dict.max_response_length=1",
@@ -195,7 +198,10 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
         assert first["round_0_samples"] == 32 and first["partial_unfinished"] > 0
         assert second["round_1_samples"] == first["partial_unfinished"]
         assert second["partial_released"] == second["num_samples"] > 0
-        assert second["staleness_max"] == 1.0 and 0 < second["staleness_token_mean"] < 1
+        assert first["num_samples"] == first["partial_released"] > 0 and first["partial_group_parts"] > 0
+        assert second["partial_group_parts"] > 0 and first["partial_waiting"] == second["partial_waiting"] == 0
+        # a continued response's first round was drawn on the weights before episode 1's step
+        assert second["staleness_max"] == 0.0 and 0 < second["staleness_token_mean"] < 1
     if config == "dapo":  # the groups all scored the same are dropped, the stream's next prompts fill the episode
         first, second = rows_of(tmp_path / "ref")
         assert first["dynamic_sampling_rounds"] == 2 and first["filtered_groups"] > 0

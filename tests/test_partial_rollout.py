@@ -2,6 +2,8 @@
 generated at once, on unchanged weights, token for token; the buffer's rules (finished, waiting, released by
 whole groups, in a fixed order), its checkpoint, ChatLearn's config checks and ours."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -102,9 +104,55 @@ def test_settle_releases_whole_groups_in_order_and_keeps_the_rest():
     assert [s["sample_id"] for s in after.waiting] == [3, 7]
     assert [s["sample_id"] for s in after.unfinished] == [6]
     assert counts == {"round_0_samples": 5.0, "round_1_samples": 1.0, "partial_released": 4.0,
-                      "partial_unfinished": 1.0, "partial_waiting": 2.0}
+                      "partial_unfinished": 1.0, "partial_waiting": 2.0, "partial_group_parts": 0.0}
+    assert after.released == {}  # whole groups leave nothing to count
     assert [[s["sample_id"] for s in b] for b in release_batches(groups, 3)] == [[0, 1], [4, 5]]
     assert [[s["sample_id"] for s in b] for b in release_batches(groups, 4)] == [[0, 1, 4, 5]]
+
+
+def test_mini_response_per_prompt_releases_a_group_in_parts_as_chatlearn_does():
+    """Groups of 4, mini_response_per_prompt 1: a group's finished responses go once 2 of it are finished, each
+    later one as it finishes; the counts of the groups released in part carry over (and through a checkpoint)."""
+    def ids(groups):
+        return [[s["sample_id"] for s in g] for g in groups]
+
+    # group 0: 0 and 2 finish now (2 > 1: released); group 1: only 5 finishes (waits); group 2: all 4 finish
+    produced = [_sample(i, 1, i in (0, 2, 5, 8, 9, 10, 11), group_size=4) for i in range(12)]
+    groups, after, counts = settle(RolloutBuffer(), produced, group_size=4, max_rounds=3, mini_response=1)
+    assert ids(groups) == [[0, 2], [8, 9, 10, 11]]
+    assert [s["sample_id"] for s in after.waiting] == [5]
+    assert after.released == {0: 2}  # group 2 is done: not counted any more
+    assert counts["partial_released"] == 6.0 and counts["partial_group_parts"] == 1.0
+    # a batch holds groups of one size: the whole group first, then the part
+    assert ids(release_batches(groups, 8)) == [[8, 9, 10, 11], [0, 2]]
+    # next episode: group 0's 1 finishes alone and goes at once (its group passed the mark); group 1's 4 and 6
+    # finish, so with 5 waiting it passes the mark (3 > 1); 3 and 7 stay unfinished
+    produced = [_sample(i, 2, i in (1, 4, 6), group_size=4) for i in (1, 3, 4, 6, 7)]
+    groups, after2, counts = settle(after, produced, group_size=4, max_rounds=3, mini_response=1)
+    assert ids(groups) == [[1], [4, 5, 6]]
+    assert after2.released == {0: 3, 1: 3} and [s["sample_id"] for s in after2.unfinished] == [3, 7]
+    assert ids(release_batches(groups, 8)) == [[4, 5, 6], [1]]
+    # the default (group size - 1) is the whole-group rule: the same input waits
+    whole, kept, _ = settle(RolloutBuffer(waiting=after.waiting), produced, group_size=4, max_rounds=3)
+    assert ids(whole) == [] and [s["sample_id"] for s in kept.waiting] == [1, 4, 5, 6]
+
+
+def test_the_trainer_moves_parts_of_groups_whole():
+    """The stale-sample drop and the epoch shuffle cut by group id: a part of a group is one block, and where
+    every group is whole they cut as blocks of group_size did."""
+    from chatlearn.data.stream import group_blocks, training_batches
+
+    parts = [_sample(i, 1, True, group_size=4, version=v) for i, v in ((0, 0), (1, 0), (4, 1), (5, 1), (6, 1), (2, 1))]
+    assert [[s["sample_id"] for s in b] for b in group_blocks(parts, 4)] == [[0, 1], [4, 5, 6], [2]]
+    kept, stats = drop_stale(parts, 2, max_staleness=1, group_size=4)
+    assert [s["sample_id"] for s in kept] == [4, 5, 6, 2] and stats["dropped_stale"] == 2.0
+    whole = [_sample(i, 1, True, group_size=2) for i in range(8)]
+    assert group_blocks(whole, 2) == [whole[i:i + 2] for i in range(0, 8, 2)]
+    blocks = [[0, 1], [4, 5, 6], [2]]
+    orders = {tuple(i for b in perm for i in b) for perm in itertools.permutations(blocks)}
+    for seed in range(4):  # the second epoch's order: the three parts shuffled, each whole
+        second = [s["sample_id"] for mb in training_batches(parts, 6, 6, 2, seed, group_size=4)[1] for s in mb]
+        assert tuple(second) in orders
 
 
 def test_continuation_batches_go_by_round_then_sample_id():
@@ -127,9 +175,10 @@ def test_the_buffer_checkpoint_round_trips(tmp_path):
     sample = {"sample_id": 3, "group_id": 1, "rollout_round": 1, "rollout_finished": False, "prompt": "max 1 2 ?",
               "response_ids": torch.tensor([5, 6]), "logprobs": torch.tensor([-0.5, -1.25]),
               "token_versions": torch.tensor([2, 2]), "scores": torch.tensor(0.5)}
-    RolloutBuffer([sample], [dict(sample, sample_id=4, rollout_finished=True)]).save(str(tmp_path), 7)
+    RolloutBuffer([sample], [dict(sample, sample_id=4, rollout_finished=True)], {1: 5, 12: 2}).save(str(tmp_path), 7)
     back = RolloutBuffer.load(str(tmp_path))
     assert [s["sample_id"] for s in back.unfinished] == [3] and [s["sample_id"] for s in back.waiting] == [4]
+    assert back.released == {1: 5, 12: 2}
     for key, value in sample.items():
         got = back.unfinished[0][key]
         assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
@@ -163,11 +212,10 @@ def test_chatlearn_checks_and_ours_name_the_field():
     assert any("partial_rollout_manager_config" in p and "one ratio per round" in p for p in wrong_len)
     bad_sum = problems(dynamic, "runtime.partial_rollout_manager_config.rollout_ratio=[0.5,0.6]")
     assert any("must sum to 1" in p for p in bad_sum)
-    # ChatLearn asserts mini < num_inference_per_prompt (8 here); a part of a group is not trained yet
+    # ChatLearn asserts mini < num_inference_per_prompt (8 here)
     assert any("must be less than" in p for p in problems(
         dynamic, "runtime.partial_rollout_manager_config.mini_response_per_prompt=8"))
-    assert any("mini_response_per_prompt: 4 is not supported yet" in p for p in problems(
-        dynamic, "runtime.partial_rollout_manager_config.mini_response_per_prompt=4"))
+    assert problems(dynamic, "runtime.partial_rollout_manager_config.mini_response_per_prompt=4") == []
     assert problems(dynamic, "runtime.partial_rollout_manager_config.mini_response_per_prompt=7") == []
     # grpo.yaml's responses are 2 tokens: three rounds cannot each have one
     three = problems(dynamic, "runtime.partial_rollout_manager_config.max_rollout_round=3",

@@ -386,7 +386,7 @@ def _agent(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping
 def _partial_rollout(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
     """``runtime.use_partial_rollout``: the policy (synced from the trainer every episode, as a pipelined run's)
     continues responses over several episodes (``continues_responses`` on its module class), each round's token
-    budget at least one token; a prompt's group trains whole (the one ``mini_response_per_prompt`` supported);
+    budget at least one token; ``mini_response_per_prompt`` below the group size (ChatLearn's assert);
     an episode trains the groups that finished, so the loader must take what it is given."""
     rt = cfg.runtime
     if not rt.use_partial_rollout:
@@ -414,10 +414,6 @@ def _partial_rollout(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, module
     if mini is not None and mini >= n:
         problems.append(f"runtime.partial_rollout_manager_config.mini_response_per_prompt: {mini} must be less "
                         f"than models.policy num_inference_per_prompt ({n}), as ChatLearn asserts")
-    elif mini is not None and mini != n - 1:
-        problems.append(f"runtime.partial_rollout_manager_config.mini_response_per_prompt: {mini} is not supported "
-                        f"yet (training part of a prompt's group needs its advantages normalised across episodes); "
-                        f"leave it unset or {n - 1} (num_inference_per_prompt - 1: a group trains whole)")
     max_new = max_new_tokens(cfg)
     if isinstance(max_new, int) and max_new > 0:
         budgets = prc.round_budgets(max_new)

@@ -29,7 +29,8 @@ WANDB_RESUME = ("allow", "must", "never", "auto")
 
 class PartialRolloutConfig(Section):
     """``runtime.partial_rollout_manager_config`` (ChatLearn HEAD's PartialRolloutManagerConfig, same names and
-    defaults except ``mini_response_per_prompt``, whose default here is the one value it supports)."""
+    defaults except ``mini_response_per_prompt``: ChatLearn's 16 is for its 32 responses a prompt, so the default
+    here follows the group size, ``num_inference_per_prompt - 1``: a group trains whole)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -40,9 +41,10 @@ class PartialRolloutConfig(Section):
         "summing to 1 (rounded so the rounds add up to max_new_tokens exactly)")
     mini_response_per_prompt: int | None = Field(
         default=None, ge=0,
-        description="a prompt's finished responses move to training once more than this many are finished "
-        "(ChatLearn's rule); default and the only value supported yet: num_inference_per_prompt - 1, i.e. a "
-        "prompt's group trains whole, normalised over all its responses")
+        description="a prompt's finished responses move to training once more than this many of its group are "
+        "finished, and each later one as it finishes (ChatLearn's rule; each part's advantages are normalised over "
+        "that part); default num_inference_per_prompt - 1: a prompt's group trains whole, normalised over all its "
+        "responses")
 
     @model_validator(mode="after")
     def _ratios(self) -> "PartialRolloutConfig":

@@ -10,17 +10,21 @@ trained together), and counted.
 from collections.abc import Sequence
 from typing import Any
 
+from chatlearn.data.stream import group_blocks
+
 
 def drop_stale(samples: Sequence[dict[str, Any]], trained_version: int, max_staleness: int,
                group_size: int = 1) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """The samples fresh enough to train on, and the episode's staleness metrics over all of them (samples
     without a version: generated on the trainer's current weights, staleness 0)."""
-    ages = [trained_version - int(s.get("policy_version", trained_version)) for s in samples]
-    size = max(1, group_size)
+    def age(s: dict[str, Any]) -> int:
+        return trained_version - int(s.get("policy_version", trained_version))
+
+    ages = [age(s) for s in samples]
     kept: list[dict[str, Any]] = []
-    for start in range(0, len(samples), size):
-        if max(ages[start:start + size], default=0) <= max_staleness:
-            kept.extend(samples[start:start + size])
+    for group in group_blocks(samples, group_size):
+        if max(age(s) for s in group) <= max_staleness:
+            kept.extend(group)
     metrics = {"staleness_mean": sum(ages) / len(ages) if ages else 0.0,
                "staleness_max": float(max(ages, default=0)), "dropped_stale": float(len(samples) - len(kept))}
     if samples and all("token_versions" in s for s in samples):  # per token: a partial rollout spans versions

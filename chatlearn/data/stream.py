@@ -68,21 +68,37 @@ def micro_batches(samples: Sequence[T], micro: int) -> list[list[T]]:
     return out
 
 
+def group_blocks(samples: Sequence[T], group_size: int) -> list[list[T]]:
+    """The samples cut into their prompts' groups: runs of consecutive samples with one ``group_id`` where they
+    carry one (a group trained in parts, ``mini_response_per_prompt``, is a shorter run), else blocks of
+    ``group_size``. Where every group is whole and in order, the two agree."""
+    if group_size > 1 and samples and all(isinstance(s, dict) and "group_id" in s for s in samples):
+        blocks: list[list[T]] = []
+        for s in samples:
+            if blocks and blocks[-1][0]["group_id"] == s["group_id"]:  # type: ignore[index]
+                blocks[-1].append(s)
+            else:
+                blocks.append([s])
+        return blocks
+    size = max(1, group_size)
+    return [list(samples[i : i + size]) for i in range(0, len(samples), size)]
+
+
 def training_batches(
     samples: Sequence[T], micro: int, global_batch: int, num_epoch: int = 1, seed: int = 0, episode: int = 0,
     group_size: int = 1,
 ) -> list[list[list[T]]]:
     """A list of iterations; each iteration is the list of micro-batches of one optimizer step.
 
-    With `group_size` > 1 the reshuffle of later epochs moves whole blocks of `group_size` consecutive samples
-    (a prompt's responses stay together, as online DPO's pairs need); 1 shuffles samples, as before.
+    With `group_size` > 1 the reshuffle of later epochs moves whole groups (`group_blocks`: a prompt's responses
+    stay together, as online DPO's pairs need); 1 shuffles samples, as before.
     """
     per_step = global_batch // micro
     iterations: list[list[list[T]]] = []
     for epoch in range(num_epoch):
         order = list(samples)
         if epoch > 0:
-            blocks = [order[i : i + group_size] for i in range(0, len(order), group_size)]
+            blocks = group_blocks(order, group_size) if group_size > 1 else [[x] for x in order]
             random.Random(f"{seed}-{episode}-{epoch}").shuffle(blocks)
             order = [s for b in blocks for s in b]
         mbs = micro_batches(order, micro)
