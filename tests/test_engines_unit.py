@@ -302,6 +302,32 @@ def test_current_old_logprobs_give_the_trainers_gradient_without_its_pass(tiny_m
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-4)
 
 
+def test_current_old_logprobs_are_the_proximal_ones_of_a_rollout_correction(tiny_model_dir, grpo_batch):
+    """One optimizer step per episode: the detached training log-probs are what the trainer's forward pass in the
+    score stage gives, so a correction over them (sampler at half the trainer's probability, `tis_token`, cap 3)
+    gives that pass's gradient, and the loss reports the ratio 2, none clipped, without the pass."""
+    args = {"model_path": tiny_model_dir, "max_grad_norm": 1e9, "rollout_correction": "tis_token",
+            "rollout_is_cap": 3.0}
+    grads, stats = [], []
+    for mode in ("trainer", "current"):
+        trainer = bound(GRPOPolicyTrainer, "ppo_policy", {**args, "old_logprobs": mode}, trainable=True)
+        batch = {**grpo_batch}
+        scored = trainer.forward_step(batch, 1)["old_logprobs"]
+        batch["logprobs"] = (scored - math.log(2.0)) * batch["response_mask"]
+        if mode == "trainer":
+            batch["old_logprobs"] = scored
+        samples = split_batch(batch)
+        assert (trainer.episode_stats(list(samples)) == {}) == (mode == "current")
+        trainer.optimizer.step = lambda: None  # keep the weights: compare the accumulated gradients
+        stats.append(trainer.train_step([collate_samples(samples[c], 0) for c in (slice(0, 5), slice(5, 12))], 0))
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+    assert stats[1]["rollout_is_ratio_mean"] == pytest.approx(2.0, rel=1e-5)
+    assert stats[1]["rollout_is_clipped_frac"] == 0.0 and "rollout_is_ratio_mean" not in stats[0]
+    assert stats[0]["policy_loss"] == pytest.approx(stats[1]["policy_loss"], abs=1e-6)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-4)
+
+
 def test_a_rollout_correction_weighs_the_gradient_by_proximal_over_behaviour(tiny_model_dir, grpo_batch):
     """Samples whose sampler gave each token half the trainer's probability: with `tis_token` (cap 3) each token's
     ratio is 2, so the gradient is twice the uncorrected one (old log-probs the trainer's in both), and the

@@ -61,6 +61,12 @@ def test_the_async_config_passes_and_the_layouts_that_cannot_pipeline_are_refuse
     (problem,) = _problems("grpo_async.yaml", "models.ppo_policy.args_dict.old_logprobs=current",
                            "runtime.train_global_batch_size=128", "runtime.train_micro_batch_size=64")
     assert problem.startswith("models.ppo_policy.args_dict.old_logprobs: current") and "max_staleness: 1" in problem
+    # with a rollout correction the detached training log-probs are the proximal ones, the sampler's the behaviour
+    assert _problems("grpo_async.yaml", "models.ppo_policy.args_dict.old_logprobs=current",
+                     "models.ppo_policy.args_dict.rollout_correction=decoupled",
+                     "runtime.train_global_batch_size=128", "runtime.train_micro_batch_size=64") == []
+    (problem,) = _problems("grpo_async.yaml", "models.ppo_policy.args_dict.rollout_correction=decoupled")
+    assert "set old_logprobs: trainer (its forward pass) or current" in problem
     (problem,) = _problems("dpo.yaml", "runtime.max_staleness=1")
     assert problem.startswith("runtime.max_staleness: 1, but the 'dpo' engine does not generate")
     assert any("max_staleness" in p and "greater than or equal to 0" in p

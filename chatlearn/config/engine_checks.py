@@ -541,15 +541,18 @@ def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
     trainer = cfg.models["ppo_policy"].args_dict or {}
     source, rt = trainer.get("old_logprobs", "generation"), cfg.runtime
     correction = trainer.get("rollout_correction", "none")
-    if correction != "none" and source != "trainer":
+    if correction != "none" and source not in ("trainer", "current"):
         return [f"models.ppo_policy.args_dict.rollout_correction: {correction} weighs the proximal policy against "
-                f"the sampler's, and the proximal log-probs are the trainer's own forward pass: set old_logprobs: "
-                f"trainer (it is {source})"]
+                f"the sampler's, and the proximal log-probs are the trainer's own: set old_logprobs: trainer (its "
+                f"forward pass) or current (the training forward's, one optimizer step per episode; it is {source})"]
     if source == "current":
-        if rt.max_staleness > 0:
+        # with a correction the detached training log-probs are the proximal policy's and the sampler's the
+        # behaviour's, so stale samples are weighed, not mistaken for on-policy ones
+        if rt.max_staleness > 0 and correction == "none":
             return [f"models.ppo_policy.args_dict.old_logprobs: current takes the training forward's own "
                     f"log-probs as the old ones, but with runtime.max_staleness: {rt.max_staleness} the samples "
-                    f"come from older weights; use generation (the behaviour policy's) or trainer"]
+                    f"come from older weights; use generation (the behaviour policy's) or trainer, or keep current "
+                    f"with a rollout_correction (it weighs them by the sampler's log-probs)"]
         # a train_global_batch_size <= 0 is the runtime check's to name
         if rt.train_global_batch_size <= 0 or rt.steps_per_episode == 1:
             return []

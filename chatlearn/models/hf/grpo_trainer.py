@@ -16,7 +16,8 @@ Old log-probs (the ratio's denominator) are, by `old_logprobs`:
 * ``current``: the training forward's own log-probs, detached (TRL's on-policy shortcut). With one optimizer step
   per episode (the config check requires it) the trainer's weights at that step are the ones ``trainer`` would
   have scored with, so the ratio is exactly 1 and the gradient is ``trainer``'s, without its forward pass and
-  whatever the policy's sync frequency, dtype or temperature (``tests/test_engines_unit.py``).
+  whatever the policy's sync frequency, dtype or temperature (``tests/test_engines_unit.py``). For the same
+  reason they are the proximal log-probs of a rollout correction in pipelined episodes.
 
 Samples another policy generated (stale ones in pipelined episodes, ``runtime.max_staleness``) make ``generation``
 the behaviour policy's log-probs: the plain off-policy ratio. ``rollout_correction`` instead takes the ratio
@@ -71,8 +72,9 @@ class GRPOPolicyArgs(OptimArgs):
     rollout_correction: str = Field(
         "none", description="off-policy correction of samples another policy generated (stale ones in pipelined "
                             "episodes): none, or a registered one (tis_token, tis_seq, mis_token, mis_seq, "
-                            "decoupled; chatlearn.algorithms.off_policy); needs old_logprobs: trainer (the "
-                            "proximal policy) and weighs each token by proximal / behaviour (the sampler's)")
+                            "decoupled; chatlearn.algorithms.off_policy); needs old_logprobs: trainer or "
+                            "current (the proximal policy) and weighs each token by proximal / behaviour (the "
+                            "sampler's)")
     rollout_is_cap: float = Field(2.0, gt=1.0, description="the rollout correction's bound on the importance ratio")
 
     @field_validator("rollout_correction")
@@ -138,17 +140,23 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         for mb, adv in zip(data_list, whiten_global_batch(advs, masks), strict=True):
             mb["advantages"] = adv
 
-    def correction_weights(self, data: dict) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """The rollout correction's weights of a batch: the proximal log-probs (the trainer's, from the score
-        stage) against the behaviour ones (the sampler's)."""
+    def correction_weights(self, data: dict, proximal: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """The rollout correction's weights of a batch: the proximal log-probs (the trainer's from the score stage,
+        or ``proximal``: the training forward's own, detached, with ``old_logprobs: current``) against the
+        behaviour ones (the sampler's)."""
         if self.correction is None:
             return None, {}
-        return self.correction(data["old_logprobs"], data["logprobs"], loss_mask(data),
+        if proximal is None:
+            return self.correction(data["old_logprobs"], data["logprobs"], loss_mask(data),
+                                   cap=self.args.rollout_is_cap)
+        return self.correction(proximal, data["logprobs"].to(proximal.device), loss_mask(data).to(proximal.device),
                                cap=self.args.rollout_is_cap)
 
     def episode_stats(self, samples: list[dict]) -> dict[str, float]:
-        """Over the episode's samples before training: the importance ratios of the rollout correction."""
-        if self.correction is None or not samples:
+        """Over the episode's samples before training: the importance ratios of the rollout correction (with
+        ``old_logprobs: current`` the proximal log-probs come with the training forward: the loss reports them)."""
+        if self.correction is None or not samples or self.args.old_logprobs == "current":
             return {}
         return self.correction_weights(collate_samples(samples, 0))[1]
 
@@ -166,7 +174,14 @@ class GRPOPolicyTrainer(CausalLMTrainer):
     def stat_keys(self) -> tuple[str, ...]:
         a = self.args
         return ("policy_loss", *_CLIP_STATS, *(("kl_loss",) if a.kl_coef > 0 else ()),
-                *(("entropy",) if a.entropy_coef > 0 else ()))
+                *(("entropy",) if a.entropy_coef > 0 else ()), *self._current_is_stats())
+
+    def _current_is_stats(self) -> tuple[str, ...]:
+        """The correction's statistics the loss reports (``old_logprobs: current``): means weighted like the clip
+        statistics; a maximum does not add up over micro-batches, so ``rollout_is_ratio_max`` is not among them."""
+        if self.correction is None or self.args.old_logprobs != "current":
+            return ()
+        return ("rollout_is_ratio_mean", "rollout_is_clipped_frac")
 
     def wants_entropy(self) -> bool:
         return self.args.entropy_coef > 0
@@ -176,11 +191,12 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         total = self.batch_mean.total  # the loss divides by the global batch's units itself; w weighs the stats
         mask = loss_mask(mb).to(self.device)
         logprobs = out.logprobs
-        if a.old_logprobs == "current":  # on-policy: the weights before this episode's only step
+        if a.old_logprobs == "current":  # the weights before this episode's only step: the proximal policy too
             old = logprobs.detach()
+            weights, is_stats = self.correction_weights(mb, proximal=old)
         else:
             old = (mb["old_logprobs"] if "old_logprobs" in mb else mb["logprobs"]).to(self.device)
-        weights, _ = self.correction_weights(mb)
+            weights, is_stats = self.correction_weights(mb)
         loss, st = self.loss_fn(logprobs, old, mb["advantages"].to(self.device), mask, total=total,
                                 token_weights=None if weights is None else weights.to(self.device),
                                 **self.loss_kwargs)
@@ -199,4 +215,6 @@ class GRPOPolicyTrainer(CausalLMTrainer):
             part["entropy"] = float(ent.detach()) * on
         for k in _CLIP_STATS:
             part[k] = st[k] * w
+        for k in self._current_is_stats():
+            part[k] = is_stats[k] * w
         return (loss * on if on != 1.0 else loss), part
