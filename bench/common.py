@@ -11,6 +11,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def on_one_gpu(models: list[str], free_memory: bool = False) -> list[str]:
+    """Overrides that put every model on the one CUDA device, colocated in one process; with ``free_memory`` each
+    hands its memory over between stages."""
+    out = [f"runtime.colocation=['{','.join(models)}']"]
+    for m in models:
+        out += [f"models.{m}.num_gpu=1", f"models.{m}.gpu_per_process=1"]
+        if free_memory:
+            out.append(f"models.{m}.free_memory=true")
+    return out
+
+
 def timed_run(cmd: list[str], env: dict[str, str], what: str, timeout: float | None = None) -> float:
     """Run `cmd` in the repository root; returns its wall seconds, exits (showing its stderr) on failure.
     Past `timeout` seconds the command is killed and `subprocess.TimeoutExpired` raised."""

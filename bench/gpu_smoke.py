@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, run_train  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from common import REPO, on_one_gpu, run_train  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 SMALL = ["runtime.num_episode=2", "runtime.sample_per_episode=64", "runtime.generation_batch_size=32",
          "runtime.train_micro_batch_size=16", "runtime.train_global_batch_size=32", "runtime.save_episode_interval=1",
@@ -38,14 +38,6 @@ RUNS = {
 }
 
 
-def on_one_gpu(models: list[str]) -> list[str]:
-    """Every model on the one device, colocated, with the memory handover on."""
-    out = [f"runtime.colocation=['{','.join(models)}']"]
-    for m in models:
-        out += [f"models.{m}.num_gpu=1", f"models.{m}.gpu_per_process=1", f"models.{m}.free_memory=true"]
-    return out
-
-
 def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this smoke run needs a GPU")
@@ -56,7 +48,7 @@ def main() -> int:
     for name, (config, models, extra) in RUNS.items():
         out = root / config
         try:
-            wall = run_train(out, [config, *SMALL, *on_one_gpu(models), *extra], what=name)
+            wall = run_train(out, [config, *SMALL, *on_one_gpu(models, free_memory=True), *extra], what=name)
             run_dir = next(out.glob("*/metrics.jsonl")).parent  # output_dir/exp_name
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             model = AutoModelForCausalLM.from_pretrained(run_dir / "final" / "policy")

@@ -19,17 +19,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, run_train  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from common import REPO, on_one_gpu, run_train  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 HF_MODELS = ["policy", "reference", "value", "ppo_policy", "ppo_value"]  # the reward is the rule
 ALL_MODELS = ["policy", "reference", "reward", "value", "ppo_policy", "ppo_value"]
-
-
-def on_one_gpu() -> list[str]:
-    out = [f"runtime.colocation=['{','.join(ALL_MODELS)}']"]
-    for m in ALL_MODELS:
-        out += [f"models.{m}.num_gpu=1", f"models.{m}.gpu_per_process=1"]
-    return out
 
 
 def run(work: Path, bf16: bool, args: argparse.Namespace) -> dict:
@@ -37,7 +30,7 @@ def run(work: Path, bf16: bool, args: argparse.Namespace) -> dict:
     overrides = [args.config, f"runtime.num_episode={args.episodes}", "runtime.eval_episode_interval=1",
                  "runtime.enable_eval_before_training=true", "runtime.save_episode_interval=1000"]
     if args.gpu:
-        overrides += on_one_gpu()
+        overrides += on_one_gpu(ALL_MODELS)
     if bf16:
         overrides += [f"models.{m}.args_dict.bf16=true" for m in HF_MODELS]
     wall = run_train(out, overrides, what=f"{'bf16' if bf16 else 'fp32'} run")

@@ -98,7 +98,7 @@ def training_batches(
     for epoch in range(num_epoch):
         order = list(samples)
         if epoch > 0:
-            blocks = group_blocks(order, group_size) if group_size > 1 else [[x] for x in order]
+            blocks = group_blocks(order, group_size)
             random.Random(f"{seed}-{episode}-{epoch}").shuffle(blocks)
             order = [s for b in blocks for s in b]
         mbs = micro_batches(order, micro)

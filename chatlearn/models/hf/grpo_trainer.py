@@ -147,9 +147,7 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         behaviour ones (the sampler's)."""
         if self.correction is None:
             return None, {}
-        if proximal is None:
-            return self.correction(data["old_logprobs"], data["logprobs"], loss_mask(data),
-                                   cap=self.args.rollout_is_cap)
+        proximal = data["old_logprobs"] if proximal is None else proximal
         return self.correction(proximal, data["logprobs"].to(proximal.device), loss_mask(data).to(proximal.device),
                                cap=self.args.rollout_is_cap)
 
