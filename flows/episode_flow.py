@@ -1,12 +1,13 @@
 """One episode as a Prefect subflow: generate → score → train → sync → checkpoint → eval, on Ray.
 
 The six stage tasks only dispatch to the model actors, which hold the real resources and do the work on Ray;
-so the tasks themselves run on a `ThreadPoolTaskRunner` in the train flow's process (the Ray driver). As
+so the tasks themselves run in threads of the train flow's process (the Ray driver), their task runs recorded
+from state events rather than run by Prefect's task engine (`chatlearn.runtime.records.task_runs`). As
 Prefect tasks on `RayTaskRunner` each one cost 0.10-0.18 s before its body ran (a Ray worker building
 Prefect's API client and settings per task; an earlier `bench/overhead.py`), about 1 s an episode, against
-about 10 ms in a thread. Stateless work of an episode (rule rewards) is fanned out as Prefect tasks on Ray with
-its own CPUs, on a runner that keeps Prefect's settings and client per Ray worker (`flows/ray_tasks.py`, about
-12 ms a task).
+about 5 ms in a thread under Prefect's task engine and under 1 ms recorded from events. Stateless work of an
+episode (rule rewards) is fanned out as Prefect tasks on Ray with its own CPUs, on a runner that keeps Prefect's
+settings and client per Ray worker (`flows/ray_tasks.py`, about 12 ms a task).
 
 The train flow runs it through `chatlearn.runtime.records.subflows.Subflows`: a subflow run whose records
 (flow run, states) are sent in the background, so the episode never waits on the Prefect API.
@@ -16,13 +17,13 @@ from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from chatlearn.runtime.calls.handles import RefBox, RunHandle
 from chatlearn.runtime.calls.recovery import kill_point
 from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.pipeline import EpisodeGate
 from chatlearn.runtime.plan import EpisodePlan
+from chatlearn.runtime.records.task_runs import RecordedTaskRunner
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
 from flows.model_calls import unwalked
@@ -43,7 +44,7 @@ STAGES = 6
 
 # the stage tasks wait at once (each blocks on its upstream future, then on its calls); `episode_runner` adds a
 # thread for each call of the engine's flows
-@flow(name="episode", flow_run_name=_run_name, task_runner=ThreadPoolTaskRunner(max_workers=STAGES),
+@flow(name="episode", flow_run_name=_run_name, task_runner=RecordedTaskRunner(max_workers=STAGES),
       validate_parameters=False)
 def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int | None,
                  gate: EpisodeGate | None = None) -> dict[str, Any]:
@@ -129,4 +130,4 @@ def episode_runner(plan: EpisodePlan) -> Any:
     (``flows/model_calls.py``) runs on the episode's task runner while its stage task waits for it, so a pool
     any smaller could leave a stage waiting on calls with no thread to run them."""
     calls = sum(len(f.nodes) for f in (plan.environment, plan.trainer, plan.evaluator) if f is not None)
-    return episode_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=STAGES + calls))
+    return episode_flow.with_options(task_runner=RecordedTaskRunner(max_workers=STAGES + calls))

@@ -162,18 +162,18 @@ def test_posted_calls_run_in_order_in_the_posting_context_and_never_hold_the_cal
     assert seen[-1] != "skipped while down"
 
 
-def test_the_plain_task_runner_hands_the_function_values_not_annotations():
+def test_the_unrecorded_task_runner_hands_the_function_values_not_annotations():
     from prefect import task
     from prefect.utilities.annotations import opaque, quote
 
-    from chatlearn.runtime.records.api_link import _PlainTaskRunner
+    from chatlearn.runtime.records.task_runs import RecordedTaskRunner
     from flows.model_calls import unwalked
 
     @task
     def add(a, b, items):
         return a["x"] + b + sum(items)
 
-    with _PlainTaskRunner(max_workers=2) as runner:
+    with RecordedTaskRunner(max_workers=2, record=False) as runner:
         first = runner.submit(add, {"a": quote({"x": 1}), "b": 2, "items": [3]})
         args = unwalked([{"x": 10}, first, [first, 4]])
         assert isinstance(args[0], quote) and isinstance(args[1], opaque) and isinstance(args[2][0], opaque)

@@ -36,7 +36,6 @@ import sys
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,11 +44,7 @@ import httpx
 from prefect.context import FlowRunContext
 from prefect.events.worker import EventsWorker
 from prefect.exceptions import PrefectHTTPStatusError
-from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.logging.handlers import APILogWorker
-from prefect.task_runners import ThreadPoolTaskRunner
-from prefect.utilities.annotations import opaque, quote
-from prefect.utilities.collections import visit_collection
 
 _POLL_S = 1.0
 _HEALTH_TIMEOUT_S = 5.0
@@ -342,40 +337,15 @@ def call_flow(flow: Any, args: tuple = (), kwargs: dict[str, Any] | None = None,
 
 
 def _inline(flow: Any, parent: FlowRunContext, args: tuple, kwargs: dict) -> Any:
-    """The flow's body in the parent flow run, its tasks' functions run by `_PlainTaskRunner`."""
+    """The flow's body in the parent flow run, its tasks' functions run in threads with no task run (there is
+    nowhere to record one; Prefect's task engine would also ask the API for the state of every future it is
+    passed)."""
+    from chatlearn.runtime.records.task_runs import RecordedTaskRunner  # it imports this module's callers
+
     workers = getattr(flow.task_runner, "_max_workers", None) or 8
-    with _PlainTaskRunner(max_workers=workers) as runner, parent.model_copy(update={"task_runner": runner}):
+    with RecordedTaskRunner(max_workers=workers, record=False) as runner, \
+            parent.model_copy(update={"task_runner": runner}):
         return flow.fn(*args, **kwargs)
-
-
-def _resolved(value: Any) -> Any:
-    return value.result() if isinstance(value, PrefectFuture) else value
-
-
-def _plain(value: Any) -> Any:
-    """A task argument as the task's function gets it: quoted and opaque ones (`flows.model_calls.unwalked`)
-    unwrapped, futures waited for."""
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, (quote, opaque)):
-        return _resolved(value.unwrap())
-    return visit_collection(value, visit_fn=_resolved, return_data=True)
-
-
-class _PlainTaskRunner(ThreadPoolTaskRunner):
-    """A task's function in a thread, with no task run: while the API is away there is nothing to record one
-    in, and Prefect's task engine would ask the API for the state of every future it is passed. The futures
-    behave as the thread pool's (`result`, `wait`; arguments that are futures are waited for first)."""
-
-    def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None,
-               dependencies: Any = None) -> PrefectConcurrentFuture:
-        def run() -> Any:
-            for future in wait_for or ():
-                future.wait()
-            return task.fn(**{k: _plain(v) for k, v in parameters.items()})
-
-        future = self._executor.submit(contextvars.copy_context().run, run)
-        return PrefectConcurrentFuture(task_run_id=uuid.uuid4(), wrapped_future=future)
 
 
 def _console_handlers() -> list[logging.Handler]:

@@ -12,9 +12,10 @@ the caller never waits for them:
 - its body runs in a flow-run context of that run, so the task runs it submits record under it as they do in
   a Prefect subflow;
 - its states go to the API through the link's background poster (`api_link.post`), ahead of the artifacts
-  there. The API stamps a state when it receives it, so the subflow's start and end times in the UI are late by
-  the poster's queue and the API's answer (`bench/overhead.py` reports it as the subflow's entry); its task
-  runs' times are their own.
+  there. The API stamps a flow run's state when it receives it, so the subflow's start and end times in the UI
+  are late by the poster's queue and the API's answer (`bench/overhead.py` reports it as the subflow's entry);
+  the parent's task run for it takes the same states as events with their own times
+  (`chatlearn.runtime.records.task_runs`), as do the task runs of its body.
 
 Prefect's engine does more around a subflow (retries, timeouts, hooks, pause/suspend, result persistence);
 the flows run here use none of them. While the API is away the body runs inline in the parent's flow run, with
@@ -26,7 +27,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 from prefect import Flow, Task
 from prefect.client.orchestration import get_client
@@ -38,6 +39,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
 from prefect.states import Cancelled, Completed, Crashed, Failed, Pending, Running, State
 
 from chatlearn.runtime.records import api_link
+from chatlearn.runtime.records.task_runs import StateEvents
 
 _PREPARE_WAIT_S = 30.0  # a created-ahead flow run not there by then: the call runs inline (the API is slow or away)
 
@@ -46,7 +48,7 @@ _PREPARE_WAIT_S = 30.0  # a created-ahead flow run not there by then: the call r
 class _Prepared:
     name: str
     flow_run: FlowRun
-    task_run_id: UUID  # the parent's task run standing for the subflow (the node in the parent's graph)
+    task_run: StateEvents  # the parent's task run standing for the subflow (the node in the parent's graph)
 
 
 class Subflows:
@@ -122,7 +124,7 @@ class Subflows:
                                               state=Pending())
             flow_run = client.create_flow_run(self.flow, name=name, parameters={}, parent_task_run_id=task_run.id,
                                               state=Pending())
-            future.set_result(_Prepared(name, flow_run, task_run.id))
+            future.set_result(_Prepared(name, flow_run, StateEvents(task_run)))
         except BaseException as exc:
             future.set_result(None)
             raise exc
@@ -195,7 +197,8 @@ def _cancel(future: concurrent.futures.Future) -> None:
 
 
 def _set_states(prepared: _Prepared, state: State) -> None:
-    """The subflow's flow run and the parent's task run standing for it, to ``state``."""
-    client = _client()
-    client.set_flow_run_state(prepared.flow_run.id, state, force=True)
-    client.set_task_run_state(prepared.task_run_id, state.model_copy(), force=True)
+    """The subflow's flow run and the parent's task run standing for it, to ``state``: the flow run's through the
+    API's orchestration, the task run's as a state event (`task_runs.StateEvents`: no request to wait for, and a
+    third of the server's work)."""
+    _client().set_flow_run_state(prepared.flow_run.id, state, force=True)
+    prepared.task_run.set(state.model_copy(update={"id": uuid4()}, deep=True))
