@@ -23,6 +23,7 @@ from chatlearn.runtime.calls.recovery import kill_point
 from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.pipeline import EpisodeGate
 from chatlearn.runtime.plan import EpisodePlan
+from chatlearn.runtime.records.subflows import started_hook
 from chatlearn.runtime.records.task_runs import RecordedTaskRunner
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
@@ -52,6 +53,7 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
     `chatlearn.runtime.pipeline`) generates, then waits for the episode before it to finish, which gives it the
     trainer iteration to start from."""
     rollouts = generate.submit(*unwalked([run, episode, consumed_samples]))
+    rollouts.add_done_callback(lambda _, started=started_hook(): started())  # the next subflow's records then
     if gate is not None:
         rollouts.result()  # raises what generate raised
         gate.generated()

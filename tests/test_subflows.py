@@ -21,7 +21,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from chatlearn.runtime.records import api_link, subflows
-from chatlearn.runtime.records.subflows import Subflows
+from chatlearn.runtime.records.subflows import Subflows, started_hook
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +33,7 @@ def double(x: int) -> int:
 
 @flow(name="piece", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=False)
 def piece(x: int, fail: bool = False, seconds: float = 0.0) -> int:
+    started_hook()()  # as an episode once generated: the next call's flow run is created from here on
     time.sleep(seconds)  # what an episode's stages take
     first = double.submit(x)
     second = double.submit(first)
@@ -139,3 +140,36 @@ def test_while_the_api_is_away_the_body_runs_inline_with_no_subflow(prefect_api)
     time.sleep(2)  # what would have been recorded has reached the server
     subs, tasks = _read(out["id"])
     assert subs == {} and [t for t in tasks if t.flow_run_id == out["id"]] == []
+
+
+@flow(name="late-start", validate_parameters=False)
+def late_start(parent_id, wait: float) -> dict:
+    """Reads whether the next call's flow run exists before and after it calls the started hook."""
+    def names():
+        return set(_read(parent_id)[0])
+
+    def created():
+        now = names()
+        assert "late-2" in now
+        return now
+
+    time.sleep(wait)  # a creation posted at the start would have landed by now
+    before = names()
+    started_hook()()
+    return {"before": before, "after": _wait_for(created)}
+
+
+def test_the_next_flow_run_is_created_once_the_body_says_it_started(prefect_api):
+    @flow(name="parent-late", validate_parameters=False)
+    def parent() -> dict:
+        runs = Subflows(late_start)
+        me = FlowRunContext.get().flow_run.id
+        try:
+            return runs("late-1", {"parent_id": me, "wait": 1.5}, next_name="late-2")
+        finally:
+            runs.close()
+
+    with api_link.watch(PREFECT_API_URL.value()) as link:
+        out = parent()
+        link.flush(timeout=30)
+    assert out["before"] == {"late-1"} and out["after"] >= {"late-1", "late-2"}

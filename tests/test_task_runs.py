@@ -102,3 +102,42 @@ def test_recorded_task_runs_show_as_prefects_task_engine_records_them(prefect_ap
         if r.state.is_final():
             assert r.start_time is not None and r.end_time >= r.start_time and r.run_count == 1
             assert r.total_run_time.total_seconds() >= 0
+
+
+@task(name="slow", cache_policy=NO_CACHE)
+def slow(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+@flow(name="recorded-slow", task_runner=RecordedTaskRunner(max_workers=2), validate_parameters=False)
+def slow_flow(seconds: float) -> dict:
+    """A long task run shows Running in the API while it runs; a short one is recorded from its final state."""
+    quick = slow.submit(0.0)
+    running = slow.submit(seconds)
+    flow_run_id = FlowRunContext.get().flow_run.id
+    seen = []
+    while not running.wrapped_future.done():
+        with get_client(sync_client=True) as client:
+            seen += [r.state.type.value for r in client.read_task_runs(task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))]
+        time.sleep(0.3)
+    return {"id": flow_run_id, "seen": seen, "ids": (quick.task_run_id, running.task_run_id),
+            "values": (quick.result(), running.result())}
+
+
+def test_a_long_task_run_shows_running_and_a_short_one_is_sent_once(prefect_api, monkeypatch):
+    from chatlearn.runtime.records import task_runs
+
+    monkeypatch.setattr(task_runs, "RUNNING_AFTER_S", 0.5)
+    out = slow_flow(4.0)
+    assert out["values"] == (0.0, 4.0) and "RUNNING" in out["seen"]
+    runs = {r.id: r for r in _runs(out["id"], 2)}
+    quick, long = runs[out["ids"][0]], runs[out["ids"][1]]
+    with get_client(sync_client=True) as client:
+        history = {i: [s.type.value for s in client.read_task_run_states(i)] for i in out["ids"]}
+    assert history[quick.id] == ["COMPLETED"] and history[long.id] == ["RUNNING", "COMPLETED"]
+    for r, seconds in ((quick, 0.0), (long, 4.0)):  # start and end times whichever way it was sent
+        assert r.start_time is not None and r.end_time >= r.start_time
+        assert seconds <= (r.end_time - r.start_time).total_seconds() < seconds + 0.5
+        assert abs(r.total_run_time.total_seconds() - (r.end_time - r.start_time).total_seconds()) < 1e-3

@@ -23,8 +23,10 @@ no task runs (`api_link`), as before; a flow run created ahead and never run is 
 """
 
 import concurrent.futures
+import contextvars
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID, uuid4
@@ -62,18 +64,21 @@ class Subflows:
         self._taken: set[str] = set()  # names whose flow run a call took: never created again
         self._serialized: dict[int, tuple[Any, Any]] = {}  # id -> (object, its JSON form): the same RunHandle
 
-    def prepare(self, name: str) -> None:
-        """Create the flow run of a later call named ``name``, in the background."""
-        parent = FlowRunContext.get()
+    def prepare(self, name: str, parent_id: UUID | None = None) -> None:
+        """Create the flow run of a later call named ``name``, in the background, under the flow run
+        ``parent_id`` (default: the current one)."""
+        if parent_id is None:
+            parent = FlowRunContext.get()
+            parent_id = parent.flow_run.id if parent is not None and parent.flow_run is not None else None
         link = api_link.current()
-        if parent is None or parent.flow_run is None or link is None or not link.up:
+        if parent_id is None or link is None or not link.up:
             return
         with self._lock:
             if name in self._ahead or name in self._taken:
                 return
             future: concurrent.futures.Future = concurrent.futures.Future()
             self._ahead[name] = future
-        link.post(self._create, parent.flow_run.id, name, future, urgent=True)
+        link.post(self._create, parent_id, name, future, urgent=True)
 
     def __call__(self, name: str, parameters: dict[str, Any], next_name: str | None = None) -> Any:
         """Run the flow's body with ``parameters`` as the subflow run ``name``; ``next_name``: the next call's,
@@ -133,10 +138,12 @@ class Subflows:
              next_name: str | None) -> Any:
         flow_run = prepared.flow_run
         api_link.post(self._start, prepared, parameters, Running(), urgent=True)
-        if next_name is not None:  # after this one's Running: the API stamps the state when it gets it
-            self.prepare(next_name)
+        # the next call's flow run: once the body says its start is over (`started`), else when it ends
+        parent_id = parent.flow_run.id
+        started = _Once(lambda: self.prepare(next_name, parent_id) if next_name is not None else None)
         logger = flow_run_logger(flow_run=flow_run, flow=self.flow)
         logger.info("Beginning subflow run %r for flow %r", flow_run.name, self.flow.name)
+        token = _started.set(started)
         try:
             with self.flow.task_runner.duplicate() as runner, FlowRunContext(
                     flow=self.flow, flow_run=flow_run, parameters=parameters, client=parent.client,
@@ -152,6 +159,9 @@ class Subflows:
             state = Crashed(message=f"Execution was interrupted: {type(exc).__name__}")
             api_link.post(_set_states, prepared, state, urgent=True)
             raise
+        finally:
+            _started.reset(token)
+        started()
         state = Completed()
         api_link.post(_set_states, prepared, state, urgent=True)
         logger.info("Finished in state %s", state)
@@ -171,6 +181,30 @@ class Subflows:
         if kept is None or kept[0] is not value:
             kept = self._serialized[id(value)] = (value, self.flow.serialize_parameters({"v": value})["v"])
         return kept[1]
+
+
+class _Once:
+    def __init__(self, fn: Callable[[], Any]):
+        self._fn: Callable[[], Any] | None = fn
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+_started: contextvars.ContextVar[_Once | None] = contextvars.ContextVar("chatlearn_subflow_started", default=None)
+
+
+def started_hook() -> Callable[[], None]:
+    """For the body of a subflow run: a callable to call (from any thread) once the part of its work that a
+    busy CPU slows most is over. The next call's flow run is created then: about 60 ms of the local server's
+    CPU, which taken from an episode's generation (small decode steps on every core, each stalled by a core
+    taken from it) cost it twice that, and from training much less (`bench/overhead.py`). Not called, the
+    flow run is created when the body ends. Outside a subflow run: a no-op."""
+    return _started.get() or (lambda: None)
 
 
 _local = threading.local()

@@ -7,7 +7,9 @@ task runs an episode, most of the orchestration share left (`bench/overhead.py`,
 
 `RecordedTaskRunner` runs each task's function in a thread, as Prefect's `ThreadPoolTaskRunner` does, and
 records its task run as the engine does, from state events the server's task run recorder turns into the run:
-Running when the body starts, then Completed, Failed (with the exception's message) or Crashed. The UI shows the
+Running when the body starts, then Completed, Failed (with the exception's message) or Crashed. A run that
+ends within `RUNNING_AFTER_S` is sent as its final state alone (with its start and end times): the UI could
+not have shown it running, and it halves the server's work for the short task runs of a small episode. The UI shows the
 same task runs (names, states, times, the task's inputs as the graph's edges, the task run they were submitted
 from as their parent) and the task's log lines; the body runs in a `TaskRunContext`, so what it submits or logs
 is recorded under its task run. What the engine offers beyond that (retries, timeouts, caching, result
@@ -20,7 +22,11 @@ raises Prefect's `UnfinishedRun`, as under the engine).
 """
 
 import contextvars
+import heapq
+import itertools
 import logging
+import threading
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -64,31 +70,94 @@ def _refuse_engine_options(task: Any) -> None:
                                   "RecordedTaskRunner (chatlearn/runtime/records/task_runs.py)")
 
 
+RUNNING_AFTER_S = 1.0  # a Running state no one could see in the UI (it refreshes every few seconds) is not sent
+
+
 class StateEvents:
     """One task run's states, sent as the events the server's task run recorder reads (`set`), in order: each
-    event names the one before it, so the server orders them whatever order they arrive in."""
+    event names the one before it, so the server orders them whatever order they arrive in.
+
+    A Running state set with ``defer`` goes out only if the run is still running ``defer`` seconds later; a run
+    that ends sooner is recorded from its final state alone, which carries its start and end times (one event
+    instead of two: half the server's work for the short task runs of a small episode)."""
 
     def __init__(self, task_run: Any):
         self.task_run = task_run
         self.last: Event | None = None
+        self._lock = threading.Lock()  # the deferred Running goes out from the announcer's thread
+        self._unsent: tuple[State | None, State] | None = None
 
-    def set(self, state: State) -> None:
-        run = self.task_run
-        previous = run.state
-        if previous is not None and previous.timestamp >= state.timestamp:  # two states in one clock tick
-            state.timestamp = previous.timestamp + timedelta(microseconds=1)
-        state.state_details.task_run_id = run.id
-        state.state_details.flow_run_id = run.flow_run_id
-        if previous is not None and previous.is_running():
-            run.total_run_time += state.timestamp - previous.timestamp
-        if state.is_running():
-            run.run_count += 1
-            run.start_time = state.timestamp
-        if state.is_final() and run.start_time is not None:
-            run.end_time = state.timestamp
-        run.state, run.state_id, run.state_type, run.state_name = state, state.id, state.type, state.name
-        self.last = emit_task_run_state_change_event(task_run=run, initial_state=previous, validated_state=state,
-                                                     follows=self.last)
+    def set(self, state: State, defer: float | None = None) -> None:
+        with self._lock:
+            run = self.task_run
+            previous = run.state
+            if previous is not None and previous.timestamp >= state.timestamp:  # two states in one clock tick
+                state.timestamp = previous.timestamp + timedelta(microseconds=1)
+            state.state_details.task_run_id = run.id
+            state.state_details.flow_run_id = run.flow_run_id
+            if previous is not None and previous.is_running():
+                run.total_run_time += state.timestamp - previous.timestamp
+            if state.is_running():
+                run.run_count += 1
+                run.start_time = state.timestamp
+            if state.is_final() and run.start_time is not None:
+                run.end_time = state.timestamp
+            run.state, run.state_id, run.state_type, run.state_name = state, state.id, state.type, state.name
+            self._unsent = None  # a state not sent yet is overtaken by this one
+            if defer is not None:
+                self._unsent = (previous, state)
+                _announcer.after(defer, self)
+                return
+            self._emit(previous, state)
+
+    def _emit(self, previous: State | None, state: State) -> None:
+        self.last = emit_task_run_state_change_event(task_run=self.task_run, initial_state=previous,
+                                                     validated_state=state, follows=self.last)
+
+    def send_deferred(self) -> None:
+        with self._lock:
+            if self._unsent is not None:
+                previous, state = self._unsent
+                self._unsent = None
+                self._emit(previous, state)
+
+
+class _Announcer:
+    """Sends deferred states when they are due, each in the context it was set in (the events take their flow
+    run from it), from one thread for the process."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, StateEvents, contextvars.Context]] = []
+        self._cv = threading.Condition()
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def after(self, seconds: float, record: StateEvents) -> None:
+        with self._cv:
+            heapq.heappush(self._due, (time.monotonic() + seconds, next(self._order), record,
+                                       contextvars.copy_context()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="task-run-states", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._due:
+                    self._cv.wait()
+                wait = self._due[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                _, _, record, context = heapq.heappop(self._due)
+            try:
+                context.run(record.send_deferred)
+            except Exception:  # a state that could not be sent must not stop the others
+                logging.getLogger("chatlearn").debug("a deferred task run state was not sent", exc_info=True)
+
+
+_announcer = _Announcer()
 
 
 class RecordedTaskRunner(ThreadPoolTaskRunner):
@@ -145,7 +214,7 @@ def _run_recorded(task: Any, record: StateEvents, parameters: dict[str, Any], wa
     if task.task_run_name:
         run.name = resolve_custom_task_run_name(task, kwargs)
         logger = task_run_logger(task_run=run, task=task)
-    record.set(Running())
+    record.set(Running(), defer=RUNNING_AFTER_S)
     context = TaskRunContext(task=task, task_run=run, parameters=kwargs, client=flow_run.client,
                              result_store=flow_run.result_store, persist_result=False, log_prints=False)
     try:
