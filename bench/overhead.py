@@ -15,9 +15,12 @@ Variants:
                   and no task run (`api_link._inline`, as a run goes on while the Prefect API is away); its
                   rule-reward batches are still Prefect tasks on Ray, as in every variant
     prefect       the episode as `chatlearn train` runs it: a subflow run of the bench flow (as of the train
-                  flow) with its stage and model-call task runs, its flow run created one episode ahead and its
-                  states sent in the background (`chatlearn/runtime/records/subflows.py`)
-    prefect-engine  the same subflow through Prefect's own subflow call (`api_link.call_flow`), as before
+                  flow) with its stage and model-call task runs, its flow run created during the episode before
+                  (once that one generated) and its states sent in the background
+                  (`chatlearn/runtime/records/subflows.py`), its task runs recorded from state events
+                  (`chatlearn/runtime/records/task_runs.py`)
+    prefect-engine  the same subflow through Prefect's own subflow call (`api_link.call_flow`), as before (its task
+                  runs recorded as in `prefect`)
 
 Medians per variant: seconds per episode (plain episodes, eval episodes, and the schedule's mix), the
 median of the per-round difference to `direct` (same round, same work), the orchestration share
@@ -61,7 +64,7 @@ from common import REPO  # noqa: E402  (bench/ is a folder of scripts, not a pac
 VARIANTS = {
     "direct": "episode_flow's body with no Prefect (no subflow, no task runs)",
     "prefect": "the episode subflow as chatlearn train runs it (records sent in the background)",
-    "prefect-engine": "the episode through Prefect's own subflow call (before)",
+    "prefect-engine": "the episode through Prefect's own subflow call (task runs as in prefect)",
 }
 SUBFLOW_VARIANTS = ("prefect", "prefect-engine")
 STAGES = ("generate", "score", "train", "sync", "checkpoint", "eval")

@@ -6,11 +6,15 @@ run of a no-op task costs the driver and the server, and its wall time, for the 
 recorded:
 
     engine        Prefect's task engine in a thread (`task.submit(...).result()`), as the episode's stage and
-                  call tasks run: its states go to the server as events (Pending, Running, Completed)
+                  call tasks ran before `recorded`: its states go to the server as events (Pending, Running,
+                  Completed)
     engine-quiet  the same with Prefect's API logging off (no "Finished in state" log record sent)
     rest          the task run created over REST with a Running state, then set Completed (two orchestrated
                   state transitions, the way flow runs are recorded)
     rest-once     the task run created over REST already Completed (one request; no live state in the UI)
+    recorded      how the episode's task runs are recorded now (`chatlearn/runtime/records/task_runs.py`): the
+                  function in a thread, the run sent as state events with no task engine, a run shorter than
+                  a second as its final state alone
 
 Rounds interleave the ways; medians per way. The server's CPU is its process tree's, over the loop and until
 its recorder has flushed, minus its idle CPU over as long. Prints a table, writes
