@@ -14,8 +14,8 @@ the caller never waits for them:
 - its states go to the API through the link's background poster (`api_link.post`), ahead of the artifacts
   there. The API stamps a flow run's state when it receives it, so the subflow's start and end times in the UI
   are late by the poster's queue and the API's answer (`bench/overhead.py` reports it as the subflow's entry);
-  the parent's task run for it takes the same states as events with their own times
-  (`chatlearn.runtime.records.task_runs`), as do the task runs of its body.
+  the API gives the parent's task run for it the same states. The task runs of its body are recorded from
+  events with their own times (`chatlearn.runtime.records.task_runs`).
 
 Prefect's engine does more around a subflow (retries, timeouts, hooks, pause/suspend, result persistence);
 the flows run here use none of them. While the API is away the body runs inline in the parent's flow run, with
@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from uuid import UUID, uuid4
+from uuid import UUID
 
 from prefect import Flow, Task
 from prefect.client.orchestration import get_client
@@ -41,7 +41,6 @@ from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
 from prefect.states import Cancelled, Completed, Crashed, Failed, Pending, Running, State
 
 from chatlearn.runtime.records import api_link
-from chatlearn.runtime.records.task_runs import StateEvents
 
 _PREPARE_WAIT_S = 30.0  # a created-ahead flow run not there by then: the call runs inline (the API is slow or away)
 
@@ -50,7 +49,7 @@ _PREPARE_WAIT_S = 30.0  # a created-ahead flow run not there by then: the call r
 class _Prepared:
     name: str
     flow_run: FlowRun
-    task_run: StateEvents  # the parent's task run standing for the subflow (the node in the parent's graph)
+    task_run_id: UUID  # the parent's task run standing for the subflow (the node in the parent's graph)
 
 
 class Subflows:
@@ -129,7 +128,7 @@ class Subflows:
                                               state=Pending())
             flow_run = client.create_flow_run(self.flow, name=name, parameters={}, parent_task_run_id=task_run.id,
                                               state=Pending())
-            future.set_result(_Prepared(name, flow_run, StateEvents(task_run)))
+            future.set_result(_Prepared(name, flow_run, task_run.id))
         except BaseException as exc:
             future.set_result(None)
             raise exc
@@ -199,12 +198,18 @@ _started: contextvars.ContextVar[_Once | None] = contextvars.ContextVar("chatlea
 
 
 def started_hook() -> Callable[[], None]:
-    """For the body of a subflow run: a callable to call (from any thread) once the part of its work that a
-    busy CPU slows most is over. The next call's flow run is created then: about 60 ms of the local server's
-    CPU, which taken from an episode's generation (small decode steps on every core, each stalled by a core
-    taken from it) cost it twice that, and from training much less (`bench/overhead.py`). Not called, the
-    flow run is created when the body ends. Outside a subflow run: a no-op."""
-    return _started.get() or (lambda: None)
+    """For the body of a subflow run: a callable to call (from any thread, e.g. as a future's done callback)
+    once the part of its work that a busy CPU slows most is over. The next call's flow run is created then:
+    about 60 ms of the local server's CPU, which taken from an episode's generation (small decode steps on
+    every core, each stalled by a core taken from it) cost it twice that, and from training much less
+    (`bench/overhead.py`). Not called, the flow run is created when the body ends. Outside a subflow run: a
+    no-op. It runs in the context it was made in: a done callback runs in the bare context of the thread that
+    finished the future, where the run's Prefect settings (its API) are not."""
+    once = _started.get()
+    if once is None:
+        return lambda: None
+    context = contextvars.copy_context()
+    return lambda: context.run(once)
 
 
 _local = threading.local()
@@ -231,8 +236,6 @@ def _cancel(future: concurrent.futures.Future) -> None:
 
 
 def _set_states(prepared: _Prepared, state: State) -> None:
-    """The subflow's flow run and the parent's task run standing for it, to ``state``: the flow run's through the
-    API's orchestration, the task run's as a state event (`task_runs.StateEvents`: no request to wait for, and a
-    third of the server's work)."""
+    """The subflow's flow run to ``state``; the API sets the parent's task run standing for it to the same
+    (Prefect's `UpdateSubflowParentTask` rule)."""
     _client().set_flow_run_state(prepared.flow_run.id, state, force=True)
-    prepared.task_run.set(state.model_copy(update={"id": uuid4()}, deep=True))

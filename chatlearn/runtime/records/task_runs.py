@@ -85,7 +85,9 @@ class StateEvents:
         self.task_run = task_run
         self.last: Event | None = None
         self._lock = threading.Lock()  # the deferred Running goes out from the announcer's thread
-        self._unsent: tuple[State | None, State] | None = None
+        # a deferred state, with the context to send it in: dropped as soon as a later state overtakes it (the
+        # context holds the episode's flow run context, whose parameters hold Ray handles)
+        self._unsent: tuple[State | None, State, contextvars.Context] | None = None
 
     def set(self, state: State, defer: float | None = None) -> None:
         with self._lock:
@@ -105,7 +107,7 @@ class StateEvents:
             run.state, run.state_id, run.state_type, run.state_name = state, state.id, state.type, state.name
             self._unsent = None  # a state not sent yet is overtaken by this one
             if defer is not None:
-                self._unsent = (previous, state)
+                self._unsent = (previous, state, contextvars.copy_context())
                 _announcer.after(defer, self)
                 return
             self._emit(previous, state)
@@ -115,27 +117,27 @@ class StateEvents:
                                                      validated_state=state, follows=self.last)
 
     def send_deferred(self) -> None:
+        """Send the deferred state, if no later one overtook it, in the context it was set in (the event takes
+        its flow run from it)."""
         with self._lock:
             if self._unsent is not None:
-                previous, state = self._unsent
+                previous, state, context = self._unsent
                 self._unsent = None
-                self._emit(previous, state)
+                context.run(self._emit, previous, state)
 
 
 class _Announcer:
-    """Sends deferred states when they are due, each in the context it was set in (the events take their flow
-    run from it), from one thread for the process."""
+    """Sends deferred states when they are due, from one thread for the process."""
 
     def __init__(self) -> None:
-        self._due: list[tuple[float, int, StateEvents, contextvars.Context]] = []
+        self._due: list[tuple[float, int, StateEvents]] = []
         self._cv = threading.Condition()
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
 
     def after(self, seconds: float, record: StateEvents) -> None:
         with self._cv:
-            heapq.heappush(self._due, (time.monotonic() + seconds, next(self._order), record,
-                                       contextvars.copy_context()))
+            heapq.heappush(self._due, (time.monotonic() + seconds, next(self._order), record))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="task-run-states", daemon=True)
                 self._thread.start()
@@ -150,9 +152,9 @@ class _Announcer:
                 if wait > 0:
                     self._cv.wait(wait)
                     continue
-                _, _, record, context = heapq.heappop(self._due)
+                _, _, record = heapq.heappop(self._due)
             try:
-                context.run(record.send_deferred)
+                record.send_deferred()
             except Exception:  # a state that could not be sent must not stop the others
                 logging.getLogger("chatlearn").debug("a deferred task run state was not sent", exc_info=True)
 
