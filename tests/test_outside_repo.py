@@ -61,11 +61,12 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["episode"], r["reward_mean"], r["eval_results_seen"]) for r in rows] == [(1, 0.25, 128)]
     kept = {p: (run_dir / p).read_bytes() for p in ("metrics.jsonl", "final/policy/model.safetensors")}
-    # the terminal as a user sees it (not a TTY here): no progress bar redraws, none of Prefect's per-flow and
-    # per-task INFO lines (they are in run_dir/chatlearn.log), one line for the episode, a summary to end with
+    # the terminal as a user sees it (not a TTY here): no progress bar redraws, none of Prefect's per-flow INFO
+    # lines (they are in run_dir/chatlearn.log; an episode's task runs log theirs at DEBUG, task_runs.py), one
+    # line for the episode, a summary to end with
     assert "\r" not in first.stderr and "episodes:" not in first.stderr
     assert " | INFO " not in first.stderr and "Finished in state" not in first.stderr, first.stderr[-3000:]
-    assert "prefect.task_runs - Task run " in (run_dir / "chatlearn.log").read_text()
+    assert "prefect.flow_runs - Flow run " in (run_dir / "chatlearn.log").read_text()
     assert [line for line in first.stdout.splitlines() if line.startswith("[episode ")] == [
         line for line in first.stdout.splitlines() if line.startswith("[episode 1/1] reward_mean=0.25 ")]
     summary = first.stderr.split("run summary\n", 1)[1].splitlines()
