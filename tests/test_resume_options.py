@@ -56,10 +56,12 @@ def test_resume_from_a_chosen_iteration_and_fresh_start(prefect_api, ray_session
     import asyncio
 
     from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
 
-    async def pointer():
+    async def pointer():  # by key: the session's API holds every test's artifacts, more than one page
         async with get_client() as client:
-            return await client.read_latest_artifacts()
+            return await client.read_latest_artifacts(artifact_filter=ArtifactCollectionFilter(
+                key=ArtifactCollectionFilterKey(any_=["opts-data-checkpoint"])))
 
     arts = {a.key: a for a in asyncio.run(pointer())}
     assert "trainer iteration 8" in arts["opts-data-checkpoint"].data
