@@ -49,7 +49,6 @@ _PREPARE_WAIT_S = 30.0  # a created-ahead flow run not there by then: the call r
 class _Prepared:
     name: str
     flow_run: FlowRun
-    task_run_id: UUID  # the parent's task run standing for the subflow (the node in the parent's graph)
 
 
 class Subflows:
@@ -128,7 +127,7 @@ class Subflows:
                                               state=Pending())
             flow_run = client.create_flow_run(self.flow, name=name, parameters={}, parent_task_run_id=task_run.id,
                                               state=Pending())
-            future.set_result(_Prepared(name, flow_run, task_run.id))
+            future.set_result(_Prepared(name, flow_run))
         except BaseException as exc:
             future.set_result(None)
             raise exc

@@ -1,4 +1,4 @@
-"""An episode's task runs, recorded from two events each instead of run by Prefect's task engine.
+"""An episode's task runs, recorded from state events instead of run by Prefect's task engine.
 
 The stage and call tasks of an episode only dispatch to Ray and wait; what Prefect adds around their bodies is
 bookkeeping. Its task engine spends about 5 ms of driver CPU a task run (states, result store, hooks, a client,
@@ -73,7 +73,7 @@ def _refuse_engine_options(task: Any) -> None:
 RUNNING_AFTER_S = 1.0  # a Running state no one could see in the UI (it refreshes every few seconds) is not sent
 
 
-class StateEvents:
+class _StateEvents:
     """One task run's states, sent as the events the server's task run recorder reads (`set`), in order: each
     event names the one before it, so the server orders them whatever order they arrive in.
 
@@ -130,12 +130,12 @@ class _Announcer:
     """Sends deferred states when they are due, from one thread for the process."""
 
     def __init__(self) -> None:
-        self._due: list[tuple[float, int, StateEvents]] = []
+        self._due: list[tuple[float, int, _StateEvents]] = []
         self._cv = threading.Condition()
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def after(self, seconds: float, record: StateEvents) -> None:
+    def after(self, seconds: float, record: _StateEvents) -> None:
         with self._cv:
             heapq.heappush(self._due, (time.monotonic() + seconds, next(self._order), record))
             if self._thread is None:
@@ -186,7 +186,7 @@ class RecordedTaskRunner(ThreadPoolTaskRunner):
         task_run = _create_task_run_locally(task, parameters=parameters, flow_run_context=flow_run,
                                             wait_for=wait_for, extra_task_inputs=dependencies)
         task_run.flow_run_run_count = flow_run.flow_run.run_count
-        future = self._executor.submit(contextvars.copy_context().run, _run_recorded, task, StateEvents(task_run),
+        future = self._executor.submit(contextvars.copy_context().run, _run_recorded, task, _StateEvents(task_run),
                                        parameters, wait_for, flow_run)
         return PrefectConcurrentFuture(task_run_id=task_run.id, wrapped_future=future)
 
@@ -197,7 +197,7 @@ def _run_plain(task: Any, parameters: dict[str, Any], wait_for: Any) -> Any:
     return task.fn(**{k: plain(v) for k, v in parameters.items()})
 
 
-def _run_recorded(task: Any, record: StateEvents, parameters: dict[str, Any], wait_for: Any,
+def _run_recorded(task: Any, record: _StateEvents, parameters: dict[str, Any], wait_for: Any,
                   flow_run: FlowRunContext) -> Any:
     run = record.task_run
     logger = task_run_logger(task_run=run, task=task)
