@@ -87,17 +87,18 @@ def _no_prefect() -> Any:
         st.create_table_artifact = saved
 
 
-def direct_episode(run: Any, episode: int, consumed: int, iteration: int) -> dict[str, Any]:
+def direct_episode(ctx: Any, episode: int, consumed: int, iteration: int) -> dict[str, Any]:
     """episode_flow's body in this process with no task runs: each task's function in a thread of its own, as
     the train flow runs an episode while the Prefect API is away (`api_link._inline`)."""
     from prefect.context import FlowRunContext
 
+    from chatlearn.runtime.episodes import EpisodeGate
     from chatlearn.runtime.records import api_link
     from flows.episode_flow import episode_runner
 
     with _no_prefect():
-        return api_link._inline(episode_runner(run.plan), FlowRunContext.get(), (run, episode, consumed, iteration),
-                                {})
+        return api_link._inline(episode_runner(ctx.spec.plan), FlowRunContext.get(),
+                                (ctx, episode, consumed, EpisodeGate(iteration)), {})
 
 
 # ---- the measurement ----
@@ -534,47 +535,50 @@ def main(argv: list[str]) -> dict:
 
     from chatlearn.checkpoint.resume import data_checkpoint_dir
     from chatlearn.config import load_config
-    from chatlearn.runtime.cluster.launch import init_ray, launch
+    from chatlearn.runtime.cluster.launch import init_ray
+    from chatlearn.runtime.episodes import EpisodeGate
+    from chatlearn.runtime.launch import launch
     from chatlearn.runtime.prepared import prepare_run
     from chatlearn.runtime.records import api_link
     from chatlearn.runtime.records.prefect_server import local_prefect_api
     from chatlearn.runtime.records.subflows import Subflows
     from chatlearn.runtime.weights.sync import sync_routes
     from flows.episode_flow import episode_name, episode_runner
+    from flows.model_calls import PrefectCalls
 
     cfg = load_config(None, [f"runtime.output_dir={out}", "runtime.exp_name=overhead", *args.overrides])
     prepared = prepare_run(cfg)
     eng = prepared.engine
     rt = cfg.runtime
 
-    def prefect_call(name: str, run: Any, ep: int, consumed: int, it: int, next_ep: int | None,
+    def prefect_call(name: str, ctx: Any, ep: int, consumed: int, it: int, next_ep: int | None,
                      subflows: dict[str, Any]) -> dict:
         if name == "prefect-engine":  # Prefect's own subflow call, as flows/train_flow.py made it before
             with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                return api_link.call_flow(episode_runner(run.plan), (run, ep, consumed, it))
-        episodes = subflows.setdefault(name, Subflows(episode_runner(run.plan)))  # as flows/train_flow.py
-        return episodes(episode_name(ep), {"run": run, "episode": ep, "consumed_samples": consumed,
-                                           "start_iteration": it},
+                return api_link.call_flow(episode_runner(ctx.spec.plan), (ctx, ep, consumed, EpisodeGate(it)))
+        episodes = subflows.setdefault(name, Subflows(episode_runner(ctx.spec.plan)))  # as flows/train_flow.py
+        return episodes(episode_name(ep), {"ctx": ctx, "episode": ep, "consumed_samples": consumed,
+                                           "gate": EpisodeGate(it)},
                         next_name=episode_name(next_ep) if next_ep is not None else None)
 
-    def one(name: str, run: Any, ep: int, consumed: int, it: int, next_ep: int | None,
+    def one(name: str, ctx: Any, ep: int, consumed: int, it: int, next_ep: int | None,
             subflows: dict[str, Any]) -> tuple[float, dict, Any, dict]:
         groups = process_groups()
         cpu0 = {k: cpu_seconds(v) for k, v in groups.items()}
         t0 = time.time()
-        metrics = (direct_episode(run, ep, consumed, it) if name == "direct"
-                   else prefect_call(name, run, ep, consumed, it, next_ep, subflows))
+        metrics = (direct_episode(ctx, ep, consumed, it) if name == "direct"
+                   else prefect_call(name, ctx, ep, consumed, it, next_ep, subflows))
         t1 = time.time()
         cpu = {k: cpu_seconds(v) - cpu0[k] for k, v in groups.items()}
         return t1 - t0, metrics, (t0, t1, f"episode-{ep + 1}"), cpu
 
     @flow(name="bench-overhead", validate_parameters=False)
     def bench_flow() -> dict:
-        with launch(prepared, data_checkpoint_dir(cfg)) as (run, groups, stream):
-            sync_routes(run.sync_routes, run.actor, concurrent=run.concurrent_comm,
-                        max_workers=run.param_sync_max_workers)
-            sizes = {"run_handle_json_bytes": len(run.model_dump_json()),
-                     "run_handle_pickle_bytes": len(cloudpickle.dumps(run))}
+        with launch(prepared, PrefectCalls(), data_checkpoint_dir(cfg)) as ctx:
+            sync_routes(ctx.sync_routes, ctx.actors.process, concurrent=rt.concurrent_comm,
+                        max_workers=rt.param_sync_max_workers)
+            sizes = {"run_spec_json_bytes": len(ctx.spec.model_dump_json()),
+                     "run_context_pickle_bytes": len(cloudpickle.dumps(ctx))}
             state = {"consumed": rt.consumed_samples, "it": 0}
             # made here, not in a closure of this flow's: Ray pickles the flow by value with every rule task
             subflows: dict[str, Any] = {}
@@ -598,7 +602,7 @@ def main(argv: list[str]) -> dict:
                 name, rnd, _ = schedule[i]
                 ep, want = eps[i]
                 next_ep = next((eps[j][0] for j in range(i + 1, len(schedule)) if schedule[j][0] == name), None)
-                wall, metrics, call, cpu = one(name, run, ep, state["consumed"], state["it"], next_ep, subflows)
+                wall, metrics, call, cpu = one(name, ctx, ep, state["consumed"], state["it"], next_ep, subflows)
                 state.update(consumed=metrics["consumed_samples"], it=metrics["iteration"])
                 return {"round": rnd, "episode": ep, "wall": wall, "eval": want[0], "checkpoint": want[1],
                         "stages": metrics["stage_seconds"], "cpu": cpu, "call": call}
@@ -616,7 +620,8 @@ def main(argv: list[str]) -> dict:
                         line = " ".join(f"{n}={samples[n][-1]['wall']:.2f}" for n in names)
                         print(f"round {rnd + 1}/{args.rounds}: {line}", file=sys.stderr)
 
-            rule = next((run.rule_rewards[n.model] for n in run.plan.scorers if n.model in run.rule_rewards), None)
+            rules = ctx.spec.rule_rewards
+            rule = next((rules[n.model] for n in ctx.spec.plan.scorers if n.model in rules), None)
             rule_tasks = rule_task_costs(rule, args.rule_tasks) if rule is not None and args.rule_tasks else None
             profile = None
             if args.profile:
@@ -705,8 +710,9 @@ def report(result: dict, split: dict, data: dict, persisted: int, args: Any) -> 
               f"each Running {_f(s['rule_reward_running'])}")
     print("(wait: upstream task's end -> this task Running: Ray dispatch + Prefect's task engine start; inside: "
           "Running window minus the body; body-dir: the body's seconds minus direct's)")
-    print(f"\nRunHandle: {data['sizes']['run_handle_json_bytes']} bytes as JSON, "
-          f"{data['sizes']['run_handle_pickle_bytes']} pickled; result files persisted: {persisted}")
+    print(f"\nRunSpec: {data['sizes']['run_spec_json_bytes']} bytes as JSON; RunContext "
+          f"{data['sizes']['run_context_pickle_bytes']} pickled (its description); result files persisted: "
+          f"{persisted}")
     if data.get("rule_tasks"):
         rule_task_report(data["rule_tasks"])
     prof = data.get("profile")

@@ -18,10 +18,11 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from chatlearn.runtime.calls.handles import RefBox, RunHandle
+from chatlearn.runtime.calls.handles import RefBox
 from chatlearn.runtime.calls.recovery import kill_point
 from chatlearn.runtime.calls.waiting import StageClock
-from chatlearn.runtime.pipeline import EpisodeGate
+from chatlearn.runtime.context import RunContext
+from chatlearn.runtime.episodes import EpisodeGate
 from chatlearn.runtime.plan import EpisodePlan
 from chatlearn.runtime.records.subflows import started_hook
 from chatlearn.runtime.records.task_runs import RecordedTaskRunner
@@ -47,46 +48,41 @@ STAGES = 6
 # thread for each call of the engine's flows
 @flow(name="episode", flow_run_name=_run_name, task_runner=RecordedTaskRunner(max_workers=STAGES),
       validate_parameters=False)
-def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iteration: int | None,
-                 gate: EpisodeGate | None = None) -> dict[str, Any]:
-    """Run one episode; returns its metrics (small numbers only). A pipelined episode (`gate`, started ahead by
-    `chatlearn.runtime.pipeline`) generates, then waits for the episode before it to finish, which gives it the
-    trainer iteration to start from."""
-    rollouts = generate.submit(*unwalked([run, episode, consumed_samples]))
+def episode_flow(ctx: RunContext, episode: int, consumed_samples: int, gate: EpisodeGate) -> dict[str, Any]:
+    """Run one episode; returns its metrics (small numbers only). The episode generates, then waits at its
+    ``gate`` for the episode before it to be done, which gives it the trainer iteration to start from (open from
+    the start in synchronous episodes; pipelined ones are started ahead: `chatlearn.runtime.episodes`)."""
+    rollouts = generate.submit(*unwalked([ctx, episode, consumed_samples]))
     rollouts.add_done_callback(lambda _, started=started_hook(): started())  # the next subflow's records then
-    if gate is not None:
-        rollouts.result()  # raises what generate raised
-        gate.generated()
-        start_iteration = gate.wait()
-    experience = score.submit(*unwalked([run, rollouts]))
-    if run.sampling_rounds > 1:  # dynamic sampling: more rounds of prompts while too few groups teach anything
-        rollouts, experience = more_rounds(run, episode, consumed_samples, rollouts.result(), experience.result())
-    trained = train.submit(*unwalked([run, experience, episode, start_iteration]))
-    synced = sync.submit(*unwalked([run, episode, trained]))
+    rollouts.result()  # raises what generate raised
+    gate.generated()
+    start_iteration = gate.wait()
+    experience = score.submit(*unwalked([ctx, rollouts]))
+    if ctx.spec.sampling_rounds > 1:  # dynamic sampling: more rounds of prompts while too few groups teach anything
+        rollouts, experience = more_rounds(ctx, episode, consumed_samples, rollouts.result(), experience.result())
+    trained = train.submit(*unwalked([ctx, experience, episode, start_iteration]))
+    synced = sync.submit(*unwalked([ctx, episode, trained]))
     # one stage at a time after train: a model replica of several processes runs collectives (FSDP gathers,
     # tensor-parallel forward), and two stages' calls reaching its ranks in different orders deadlock them
-    saved = checkpoint.submit(*unwalked([run, episode, trained]), wait_for=[synced])
-    eval_due = run.plan.evaluator is not None and every(run.eval_episode_interval, episode)
-    evaluated = (evaluate.submit(*unwalked([run, episode, synced, trained]), wait_for=[saved]) if eval_due
+    saved = checkpoint.submit(*unwalked([ctx, episode, trained]), wait_for=[synced])
+    eval_due = ctx.spec.plan.evaluator is not None and every(ctx.spec.runtime.eval_episode_interval, episode)
+    evaluated = (evaluate.submit(*unwalked([ctx, episode, synced, trained]), wait_for=[saved]) if eval_due
                  else None)
-    if not isinstance(rollouts, RefBox):
-        rollouts.wait()
     crash_point("after_generate", episode)  # for resume tests: dies while score/train are running
-    kill_point("after_generate", episode, run.run_dir)  # for recovery tests: a model process dies here
+    kill_point("after_generate", episode, ctx.spec.runtime.run_dir)  # for recovery tests: a model process dies
 
     gen, exp = (rollouts, experience) if isinstance(rollouts, RefBox) else (rollouts.result(), experience.result())
     tr, sy, ck = trained.result(), synced.result(), saved.result()
     metrics: dict[str, Any] = {"episode": episode, "consumed_samples": consumed_samples + gen.meta["num_samples"]}
     metrics.update({k: v for k, v in tr.items() if k != "seconds"})
     metrics["checkpoint_paths"] = ck["paths"]
-    if ck["policy_versions"]:
+    if ck["policy_versions"]:  # what a resume reads, when this episode saved it
         metrics["policy_versions"] = ck["policy_versions"]
     if ck["relay_path"]:
         metrics["relay_checkpoint"] = ck["relay_path"]
     if ck["partial_rollouts"]:
         metrics["partial_rollouts"] = ck["partial_rollouts"]
-    metrics.update(gen.meta.get("partial", {}))
-    metrics.update(gen.meta.get("agent", {}))
+    metrics.update(gen.meta["metrics"])  # the rollout's own: partial rollouts' counts, agent turns, ...
     if "sampling_rounds" in gen.meta:
         metrics["dynamic_sampling_rounds"] = gen.meta["sampling_rounds"]
     timing = {"generate": gen.meta["seconds"], "score": exp.meta["seconds"], "train": tr["seconds"],
@@ -100,23 +96,24 @@ def episode_flow(run: RunHandle, episode: int, consumed_samples: int, start_iter
     return metrics
 
 
-def more_rounds(run: RunHandle, episode: int, consumed_samples: int, rollouts: RefBox,
+def more_rounds(ctx: RunContext, episode: int, consumed_samples: int, rollouts: RefBox,
                 experience: RefBox) -> tuple[RefBox, RefBox]:
     """Dynamic sampling (`chatlearn.data.dynamic_sampling`): generate and score the stream's next prompts, each
     round a generate and a score task run of this episode, while fewer than ``sample_per_episode`` samples are
-    in groups the reward tells apart, up to ``run.sampling_rounds`` rounds. Returns every round's rollouts and
+    in groups the reward tells apart, up to ``spec.sampling_rounds`` rounds. Returns every round's rollouts and
     experience as one of each (the stream dataset keeps the informative groups)."""
     gens, exps = [rollouts], [experience]
-    clock = StageClock("score", episode, run.stage_timeout_s)
+    spec = ctx.spec
+    clock = StageClock("score", episode, spec.runtime.stage_timeout_s)
 
     def informative() -> int:
         parts = [p for e in exps for p in experience_parts(e)]
-        return int(clock.get(run.stream().informative_samples.remote(parts), "the stream dataset"))
+        return int(clock.get(ctx.stream.informative_samples.remote(parts), "the stream dataset"))
 
-    while len(gens) < run.sampling_rounds and informative() < run.sample_per_episode:
+    while len(gens) < spec.sampling_rounds and informative() < spec.runtime.sample_per_episode:
         consumed = consumed_samples + sum(g.meta["num_samples"] for g in gens)
-        more = generate.submit(*unwalked([run, episode, consumed, len(gens)]))
-        exps.append(score.submit(*unwalked([run, more])).result())
+        more = generate.submit(*unwalked([ctx, episode, consumed, len(gens)]))
+        exps.append(score.submit(*unwalked([ctx, more])).result())
         gens.append(more.result())
     first = gens[0].meta
     gen = RefBox([r for g in gens for r in g.refs], **{**first, "num_samples": sum(g.meta["num_samples"] for g in gens),

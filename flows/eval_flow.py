@@ -17,10 +17,11 @@ from uuid import UUID
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
-from chatlearn.runtime.cluster.launch import launch
+from chatlearn.runtime.launch import launch
 from chatlearn.runtime.prepared import handed_down, prepare_run
 from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.run_lock import lock_run_dir
+from flows.model_calls import PrefectCalls
 from flows.pins import check_run
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
@@ -71,9 +72,9 @@ def _eval(config: ConfigParam | None = None, config_path: str | None = None, ove
     # one command per run directory, as train (a RunError naming the holder): the eval of a train run locks that
     # run's directory, whose policy it reads and into which it writes; `chatlearn eval` holds its own already
     with lock_run_dir(outputs["run_dir"] if train_run else cfg.runtime.run_dir):
-        with launch(prepared) as (run, _groups, _stream):
-            result = evaluate(run, -1)
-        metrics = dict(result["metrics"], eval_num_samples=run.eval_dataset_size, eval_seconds=result["seconds"],
+        with launch(prepared, PrefectCalls()) as ctx:
+            result = evaluate(ctx, -1)
+        metrics = dict(result["metrics"], eval_num_samples=ctx.eval_dataset_size, eval_seconds=result["seconds"],
                        model_path=(cfg.models[eng.plan.producer].args_dict or {}).get("model_path"))
         os.makedirs(cfg.runtime.run_dir, exist_ok=True)
         with open(os.path.join(cfg.runtime.run_dir, "eval.json"), "w") as f:

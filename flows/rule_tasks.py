@@ -17,7 +17,7 @@ from prefect_ray.task_runners import PrefectRayFuture
 
 from chatlearn.data.batch import merge_batches
 from chatlearn.models.rule import RuleSpec, score_key
-from chatlearn.runtime.calls.handles import RefBox, RunHandle
+from chatlearn.runtime.calls.handles import RefBox
 from chatlearn.runtime.calls.waiting import StageClock
 from flows.ray_tasks import ray_task_runner
 
@@ -52,12 +52,11 @@ class RuleFuture:
         return {score_key(self.model): torch.tensor(self.result(clock), dtype=torch.float32)}
 
 
-def fan_out_rule(run: RunHandle, model: str, batches: list[list[Any]],
+def fan_out_rule(rule: RuleSpec, model: str, batches: list[list[Any]],
                  episode_start: int | None = None) -> list[RuleFuture]:
-    """One `rule-reward` Prefect task per batch (the refs of the outputs it reads) on Ray, all in parallel, each
-    with the rule's CPUs (no Ray retries: a retried task would try to enter Running again); their futures in
-    batch order. ``episode_start``: see `rule_reward`."""
-    rule = run.rule_rewards[model]
+    """One `rule-reward` Prefect task per batch (the refs of the outputs it reads) of ``model``'s rule on Ray, all
+    in parallel, each with the rule's CPUs (no Ray retries: a retried task would try to enter Running again);
+    their futures in batch order. ``episode_start``: see `rule_reward`."""
     runner = ray_task_runner()
     with remote_options(num_cpus=rule.num_cpus, max_retries=0):
         return [RuleFuture(runner.submit(rule_reward, {"batch": RefBox(list(refs)), "rule": rule,

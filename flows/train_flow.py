@@ -16,60 +16,35 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_client, get_run_logger
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_table_artifact
 from prefect.context import FlowRunContext
 
-from chatlearn.checkpoint.data_checkpoint import DataCheckpoint, DataCheckpointStore
+from chatlearn.checkpoint.data_checkpoint import DataCheckpoint
 from chatlearn.checkpoint.model_checkpoint import restore_rng_state
-from chatlearn.checkpoint.resume import (
-    checkpoint_dirs,
-    commit_data_checkpoint,
-    data_checkpoint_dir,
-    resume_point,
-)
-from chatlearn.checkpoint.run_config import inspect_run_dir, record_progress, record_start
+from chatlearn.checkpoint.resume import checkpoint_dirs, data_checkpoint_dir, resume_point
+from chatlearn.checkpoint.run_config import inspect_run_dir, record_start
 from chatlearn.config import ChatLearnConfig
-from chatlearn.config.engine_checks import max_new_tokens
-from chatlearn.data.partial_rollout import PartialRollouts, RolloutBuffer
-from chatlearn.data.relay import RelayCheckpointError
 from chatlearn.models.parallel import ParallelDims
-from chatlearn.runtime.calls.handles import RunHandle
 from chatlearn.runtime.calls.recovery import ProcessLost, alive_node_ids, process_loss
 from chatlearn.runtime.calls.stopping import Stopped, stop_signal, stopping
-from chatlearn.runtime.calls.waiting import MIN_STEP_TIMEOUT_S, StageClock, wait
-from chatlearn.runtime.cluster.launch import launch
-from chatlearn.runtime.cluster.model_group import ModelGroup
+from chatlearn.runtime.calls.waiting import wait
 from chatlearn.runtime.cluster.placement import PlacementError, table_text
-from chatlearn.runtime.pipeline import Pipeline
-from chatlearn.runtime.plan import ResolvedEngine
+from chatlearn.runtime.context import RunContext
+from chatlearn.runtime.episodes import episodes_for
+from chatlearn.runtime.launch import launch
 from chatlearn.runtime.prepared import PreparedRun, handed_down, prepare_run
 from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.prefect_server import configured_api_url
-from chatlearn.runtime.records.profiling import EpisodeInstruments
-from chatlearn.runtime.records.reporting import (
-    EpisodeReporter,
-    RunArtifacts,
-    artifact_key,
-    flow_run_url,
-    json_safe,
-    run_summary,
-    user_row,
-)
+from chatlearn.runtime.records.recorder import RunRecorder
+from chatlearn.runtime.records.reporting import artifact_key
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.runtime.records.run_record import claim_run_dir, train_run_name
 from chatlearn.runtime.records.subflows import Subflows
-from chatlearn.runtime.records.trackers import Trackers
 from chatlearn.runtime.weights.sync import sync_routes
-from chatlearn.runtime.weights.versions import WeightVersions, generation_version
 from chatlearn.utils.errors import RunError
-from chatlearn.utils.faults import crash_point
 from chatlearn.utils.storage import writing
 from flows.episode_flow import episode_name, episode_runner
+from flows.model_calls import PrefectCalls
 from flows.pins import check_run
 from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
@@ -175,14 +150,17 @@ def _train_locked(prepared: PreparedRun, run_dir: Path, t_start: float) -> dict:
 
 def _attempt(prepared: PreparedRun, run_dir: Path, t_start: float, progress: Progress) -> dict:
     """One start of the run's actors, from the resume point, to the end (or a ProcessLost)."""
-    cfg, eng = prepared.cfg, prepared.engine
+    cfg = prepared.cfg
     resumed = resume_point(cfg)  # a missing or bad chosen record fails here too
     progress.episode = None
-    with launch(prepared, data_checkpoint_dir(cfg)) as (run, groups, stream):
-        processes = {name: run.actor(name) for reps in run.actors.values() for rep in reps for name in rep}
+    with launch(prepared, PrefectCalls(), data_checkpoint_dir(cfg)) as ctx:
+        processes = ctx.actors.processes()
         nodes_before = alive_node_ids()
         try:
-            last = _start_and_run(cfg, eng, run, groups, stream, run_dir, resumed, t_start, progress)
+            summary = _start(ctx, prepared, resumed)
+            sys.stderr.write(f"ready to train in {time.perf_counter() - t_start:.1f}s (workers, model setup, "
+                             "first sync)\n")
+            last = _run_episodes(ctx, cfg, run_dir, resumed, time.perf_counter() - t_start, summary, progress)
         except Exception as exc:
             lost = None if stopping() else process_loss(exc, processes, nodes_before, progress.episode)
             if lost is None:
@@ -192,80 +170,36 @@ def _attempt(prepared: PreparedRun, run_dir: Path, t_start: float, progress: Pro
     return last
 
 
-def _start_and_run(cfg: ChatLearnConfig, eng: ResolvedEngine, run: RunHandle, groups: dict[str, ModelGroup],
-                   stream: Any, run_dir: Path, resumed: DataCheckpoint | None, t_start: float,
-                   progress: Progress) -> dict:
-    _show_placement(run)
-    _show_layouts(cfg)
-    heads = {name: group.heads[0] for name, group in groups.items()}
+def _start(ctx: RunContext, prepared: PreparedRun, resumed: DataCheckpoint | None) -> dict[str, Any]:
+    """Before the first episode: the resume point's state loaded, the first weight sync, what the rollout carries;
+    returns what the run's summary says of the exported model (its trainable and total parameters)."""
+    plan, timeout = ctx.spec.plan, ctx.spec.runtime.stage_timeout_s
+    _show_placement(ctx)
+    _show_layouts(prepared.cfg)
     if resumed is not None:  # the trainers' checkpoints, the relay window and the driver's RNG, as at the record
-        wait([heads[m].load_checkpoint.remote(resumed.train_iteration) for m in eng.plan.trainers], "resume",
-             run.stage_timeout_s)
+        wait([ctx.actors.heads(m)[0].load_checkpoint.remote(resumed.train_iteration) for m in plan.trainers],
+             "resume", timeout)
         if resumed.relay_path:
-            wait(stream.load_relay.remote(resumed.relay_path), "resume", run.stage_timeout_s)
+            wait(ctx.stream.load_relay.remote(resumed.relay_path), "resume", timeout)
         restore_rng_state(resumed.rng_state)
         msg = (f"resuming after episode {resumed.episode + 1} (trainer iteration {resumed.train_iteration}, "
-               f"{resumed.consumed_samples} samples consumed) from {run.data_checkpoint_path}")
+               f"{resumed.consumed_samples} samples consumed) from {ctx.spec.data_checkpoint_path}")
         get_run_logger().info(msg)
         sys.stderr.write(msg + "\n")  # the terminal shows it whatever the Prefect log level
     # ChatLearn syncs all parameters once before the first episode: inference copies start as the trainers.
-    sync_routes(run.sync_routes, run.actor, concurrent=run.concurrent_comm,
-                max_workers=run.param_sync_max_workers)
+    rt = ctx.spec.runtime
+    sync_routes(ctx.sync_routes, ctx.actors.process, concurrent=rt.concurrent_comm,
+                max_workers=rt.param_sync_max_workers)
     if resumed is not None:  # inference copies that may lag their trainer come from their own checkpoint
-        lagging = [m for m in run.checkpoint_models if m not in eng.plan.trainers]
-        wait([heads[m].load_checkpoint.remote(resumed.train_iteration) for m in lagging], "resume",
-             run.stage_timeout_s)
-    if cfg.runtime.max_staleness > 0:  # pipelined: the policy generates on published versions of the trainer
-        _start_versions(run, eng, resumed)
-    if cfg.runtime.use_partial_rollout:
-        _start_partial(cfg, run, resumed)
-    params = _parameter_counts(heads, eng.plan.trainers, run.stage_timeout_s)
-    if eng.name == "grpo":  # say where the ratio's old log-probs come from
-        src = ("the trainer's forward pass in the score stage" if eng.plan.calls(eng.plan.trainers[0], "forward_step")
-               else "generation (the policy holds the trainer's weights, synced every episode)")
-        sys.stderr.write(f"old log-probs: {src}\n")
-    startup = time.perf_counter() - t_start
-    sys.stderr.write(f"ready to train in {startup:.1f}s (workers, model setup, first sync)\n")
-    return _run_episodes(cfg, run, groups, run_dir, resumed, startup, params.get(eng.plan.export, {}), progress)
-
-
-def _start_versions(run: RunHandle, eng: ResolvedEngine, resumed: DataCheckpoint | None) -> None:
-    """Pipelined episodes: the trainer's weights as the current version, and on resume the older versions the
-    next episodes generate on, from the checkpoint (`chatlearn.runtime.weights.versions`)."""
-    route = next(r for r in run.sync_routes if r.dst == eng.plan.producer)
-    run.versions = WeightVersions(route, run.actor, run.max_staleness, run.stage_timeout_s)
-    clock = StageClock("resume" if resumed else "setup", -1, max(run.stage_timeout_s or 0, MIN_STEP_TIMEOUT_S))
-    if resumed is not None:
-        missing = [v for v in range(generation_version(resumed.episode + 1, run.max_staleness), resumed.episode + 1)
-                   if v not in resumed.policy_versions]
-        if missing:
-            raise RunError(f"the data checkpoint of episode {resumed.episode + 1} in {run.data_checkpoint_path} "
-                           f"has no policy weights of version(s) {missing}, which runtime.max_staleness "
-                           f"{run.max_staleness} generates on next (was it written by a run with a smaller "
-                           f"max_staleness?)")
-        run.versions.restore(resumed.policy_versions)
-    run.versions.publish(resumed.episode + 1 if resumed is not None else 0, clock)
-
-
-def _start_partial(cfg: ChatLearnConfig, run: RunHandle, resumed: DataCheckpoint | None) -> None:
-    """Partial rollouts: nothing in flight at the start; on resume, the responses in flight the checkpoint holds
-    (`chatlearn.data.partial_rollout`)."""
-    rt = cfg.runtime
-    budgets = rt.partial_rollout_manager_config.round_budgets(max_new_tokens(cfg, run.plan.producer))
-    run.partial = PartialRollouts(budgets, run.group_size, run.generation_batch_size, keep=rt.max_staleness + 1,
-                                  mini_response=rt.partial_rollout_manager_config.mini_response_per_prompt)
-    buffer = None
-    if resumed is not None:
-        if not resumed.partial_rollouts:
-            raise RunError(f"the data checkpoint of episode {resumed.episode + 1} in {run.data_checkpoint_path} "
-                           "holds no partial rollouts, which runtime.use_partial_rollout continues (was it written "
-                           "by a run without partial rollouts?)")
-        try:
-            buffer = RolloutBuffer.load(resumed.partial_rollouts)
-        except (OSError, RelayCheckpointError) as exc:
-            raise RunError(f"the partial rollouts of episode {resumed.episode + 1}'s data checkpoint cannot be "
-                           f"read: {exc}") from exc
-    run.partial.start(resumed.episode + 1 if resumed is not None else 0, buffer)
+        lagging = [m for m in ctx.spec.checkpoint_models if m not in plan.trainers]
+        wait([ctx.actors.heads(m)[0].load_checkpoint.remote(resumed.train_iteration) for m in lagging], "resume",
+             timeout)
+    ctx.rollout.start(ctx, resumed)  # pipelined: the published versions; partial rollouts: those in flight
+    params = _parameter_counts(ctx, plan.trainers)
+    for name in plan.trainers:  # e.g. where GRPO's old log-probs come from
+        for line in prepared.engine.modules[name].run_notes(plan):
+            sys.stderr.write(line + "\n")
+    return params.get(plan.export, {})
 
 
 def deployment_run(cfg: ChatLearnConfig) -> ChatLearnConfig:
@@ -298,10 +232,10 @@ def _show_outputs(cfg: ChatLearnConfig, last: dict[str, Any]) -> None:
                   description=f"where the outputs of {cfg.runtime.exp_name} are")
 
 
-def _parameter_counts(heads: dict[str, Any], trainers: list[str], timeout_s: float | None) -> dict[str, dict[str, int]]:
+def _parameter_counts(ctx: RunContext, trainers: list[str]) -> dict[str, dict[str, int]]:
     """Trainable vs total parameters of each trainer (LoRA trains a small share), printed once."""
-    infos = dict(zip(trainers, wait([heads[m].call.remote("info") for m in trainers], "setup", timeout_s),
-                     strict=True))
+    infos = dict(zip(trainers, wait([ctx.actors.heads(m)[0].call.remote("info") for m in trainers], "setup",
+                                    ctx.spec.runtime.stage_timeout_s), strict=True))
     out = {}
     for name, info in infos.items():
         if "trainable_params" in info:
@@ -311,12 +245,12 @@ def _parameter_counts(heads: dict[str, Any], trainers: list[str], timeout_s: flo
     return out
 
 
-def _show_placement(run: RunHandle) -> None:
+def _show_placement(ctx: RunContext) -> None:
     """The realised placement: a table on the terminal and a Prefect artifact (one row per worker process)."""
-    n = len(run.placement)
-    sys.stderr.write(f"placement ({n} worker process{'es' if n != 1 else ''}):\n{table_text(run.placement)}\n")
-    api_link.send(create_table_artifact, key=artifact_key(run.exp_name, "placement"), table=run.placement,
-                  description=f"where each model rank of {run.exp_name} runs")
+    rows, exp = ctx.placement, ctx.spec.runtime.exp_name
+    sys.stderr.write(f"placement ({len(rows)} worker process{'es' if len(rows) != 1 else ''}):\n{table_text(rows)}\n")
+    api_link.send(create_table_artifact, key=artifact_key(exp, "placement"), table=rows,
+                  description=f"where each model rank of {exp} runs")
 
 
 def _show_layouts(cfg: ChatLearnConfig) -> None:
@@ -338,121 +272,50 @@ def _show_layouts(cfg: ChatLearnConfig) -> None:
 train_flow = PrevalidatedFlow(fn=_train, name="chatlearn-train", log_prints=True, flow_run_name=train_run_name)
 
 
-def _released_bytes(groups: dict[str, ModelGroup], timeout_s: float | None) -> int:
-    """Bytes the colocated models handed over so far (offloaded weights/optimizer states, freed grads)."""
-    workers = {h.process: h.actor for g in groups.values() for h in g.actors}
-    reports = wait([w.memory_report.remote() for w in workers.values()], "memory report", timeout_s)
-    return sum(n for rep in reports for model in rep.values() for n in model["released"].values())
-
-
-def _run_episodes(cfg: ChatLearnConfig, run: RunHandle, groups: dict[str, ModelGroup], run_dir: Path,
-                  resumed: DataCheckpoint | None, startup_seconds: float = 0.0,
-                  summary_extra: dict[str, Any] | None = None, progress: Progress | None = None) -> dict:
-    """The episodes from the resume point on; `progress` says which episode is running and whether this run
-    committed a checkpoint yet (what a restart after a lost process resumes from)."""
-    progress = Progress() if progress is None else progress
+def _run_episodes(ctx: RunContext, cfg: ChatLearnConfig, run_dir: Path, resumed: DataCheckpoint | None,
+                  startup_seconds: float, summary: dict[str, Any], progress: Progress) -> dict:
+    """The episodes from the resume point on: run one, record it, commit its checkpoint. ``progress`` says which
+    episode is running and whether this run committed a checkpoint yet (what a restart after a lost process
+    resumes from)."""
     rt = cfg.runtime
-    store = DataCheckpointStore(run.data_checkpoint_path)
     first = resumed.episode + 1 if resumed is not None else 0
-    reporter = EpisodeReporter(cfg, run_dir, first_episode=first)
-    trackers = Trackers.open(cfg, run_dir, first_episode=first)  # runtime.log_args_dict: tensorboard, wandb, mlflow
-    ui = flow_run_url()
-    if ui:  # Prefect's own "View at" line is in the log file (chatlearn.runtime.records.console)
-        sys.stderr.write(f"Prefect flow run: {ui}\n")
-    for name, link in trackers.links.items():
-        sys.stderr.write(f"{name}: {link}\n")
-    tracker_links = trackers.links  # for the run's summary
-    artifacts = RunArtifacts(rt.exp_name, run_dir)  # metrics table + curve: one of each per run, kept current
-    instruments = EpisodeInstruments.of(rt, groups, first)  # runtime.nsys ranges, runtime.profiler_dir traces
-    progress_id = api_link.send(create_progress_artifact, progress=100.0 * first / max(1, rt.num_episode),
-                                key=reporter.artifact_key("progress"), description=f"episodes of {rt.exp_name}")
-    if resumed is not None:
-        consumed, iteration = resumed.consumed_samples, resumed.train_iteration
-    else:
-        consumed, iteration = rt.consumed_samples, 0
-    last: dict[str, Any] = reporter.rows[-1] if reporter.rows else {}
-    initial_eval = None
-    if resumed is None and rt.enable_eval_before_training and run.eval_dataset_size:
-        # ChatLearn 1.0.3's enable_eval_before_training: the baseline the eval curve starts from
-        initial_eval = evaluate(run, -1, trained={"iteration": 0})["metrics"]["eval_reward_mean"]
-        reporter.write(f"eval before training: eval_reward_mean={initial_eval:.4g}")
-    released_before = _released_bytes(groups, run.stage_timeout_s)
-    hosts = [h for g in groups.values() for h in g.actors]  # every rank of every model: ChatLearn's episode hooks
-    # each episode a subflow run of this flow run, its flow run created one episode ahead (the first: now)
-    episodes = Subflows(episode_runner(run.plan))
-    pipeline = None
-    if run.versions is not None:  # pipelined: the next max_staleness episodes generate while this one trains
-        def call(ep: int, params: dict[str, Any], next_ep: int | None) -> Any:
-            return episodes(episode_name(ep), params, next_name=episode_name(next_ep) if next_ep is not None else None)
-        pipeline = Pipeline(call, run, first, rt.num_episode, consumed,
-                            prepare=lambda ep: episodes.prepare(episode_name(ep)))
+    consumed, iteration = ((resumed.consumed_samples, resumed.train_iteration) if resumed is not None
+                           else (rt.consumed_samples, 0))
+    recorder = RunRecorder(cfg, run_dir, first, ctx.spec.data_checkpoint_path, startup_seconds)
+    # each episode a subflow run of this flow run (records sent in the background), its flow run created one
+    # episode ahead; inside the train flow run while the Prefect API is away (api_link)
+    subflows = Subflows(episode_runner(ctx.spec.plan))
     failed = True
     try:
-        for episode in range(first, rt.num_episode):
-            t0 = time.perf_counter()
-            progress.episode = episode
-            crash_point("episode_start", episode)
-            wait([h.before_episode.remote() for h in hosts], "before_episode", run.stage_timeout_s)
-            with instruments.episode(episode):
-                # a subflow (records sent in the background); inside the train flow run while the Prefect API is
-                # away (api_link)
-                if pipeline is not None:
-                    metrics = pipeline.run(episode, iteration)
-                else:
-                    metrics = episodes(episode_name(episode), {"run": run, "episode": episode,
-                                                               "consumed_samples": consumed,
-                                                               "start_iteration": iteration},
-                                       next_name=episode_name(episode + 1) if episode + 1 < rt.num_episode else None)
-            wait([h.after_episode.remote() for h in hosts], "after_episode", run.stage_timeout_s)
-            consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
-            if initial_eval is not None and episode == 0:
-                metrics["eval_reward_mean_before_training"] = initial_eval
-            metrics["episode_seconds"] = time.perf_counter() - t0
-            if episode == first:
-                metrics["startup_seconds"] = startup_seconds
-            released = _released_bytes(groups, run.stage_timeout_s)
-            if released:
-                metrics["handover_mb"] = (released - released_before) / 2**20
-                released_before = released
-            metrics["peak_memory_mb"] = max(wait([a.peak_memory.remote() for g in groups.values() for a in g.actors],
-                                                 "memory report", run.stage_timeout_s))
-            reporter.record(metrics)
-            trackers.log(reporter.rows[-1])
-            if metrics["checkpoint_paths"]:
-                path = commit_data_checkpoint(cfg, store, metrics)
-                record_progress(cfg, episode + 1)
-                progress.committed = True
-                api_link.post(
-                    create_markdown_artifact, key=reporter.artifact_key("data-checkpoint"),
-                    markdown=f"latest data checkpoint of **{rt.exp_name}**: episode {episode + 1}, trainer "
-                             f"iteration {metrics['iteration']}, `{path}`",
-                    description="where a re-run of this config resumes from",
-                )
-            if progress_id is not None:
-                api_link.post(update_progress_artifact, progress_id, progress=100.0 * (episode + 1) / rt.num_episode)
-            api_link.post(artifacts.update, list(reporter.rows))  # the curve is drawn there too
-            last = user_row(metrics)
+        if resumed is None and rt.enable_eval_before_training and ctx.eval_dataset_size:
+            # ChatLearn 1.0.3's enable_eval_before_training: the baseline the eval curve starts from
+            recorder.before_training(evaluate(ctx, -1, trained={"iteration": 0})["metrics"]["eval_reward_mean"])
+        episodes = episodes_for(
+            ctx, lambda ep, params, nxt: subflows(episode_name(ep), params,
+                                                  next_name=episode_name(nxt) if nxt is not None else None),
+            first, consumed, prepare=lambda ep: subflows.prepare(episode_name(ep)))
+        try:
+            for episode in range(first, rt.num_episode):
+                progress.episode = episode
+                metrics = episodes.run(episode, consumed, iteration)
+                consumed, iteration = metrics["consumed_samples"], metrics["iteration"]
+                recorder.record(metrics)
+                if metrics["checkpoint_paths"]:
+                    recorder.commit(metrics)
+                    progress.committed = True
+        finally:
+            episodes.close()
         failed = False
     finally:
-        trackers.close(failed)
-        if pipeline is not None:
-            pipeline.close()
-        episodes.close()
-        # what the episodes posted is sent (or dropped) while Ray is still up: it holds Ray handles
-        api_link.flush()
-        reporter.close()
-    if run.plan.export:
+        subflows.close()
+        recorder.close(failed)
+    extra: dict[str, Any] = {}
+    if ctx.spec.plan.export:
         path = run_dir / "final" / "policy"
         with writing("the final policy", path):  # a full disk, in the actor too: one RunError naming the path
             path.parent.mkdir(parents=True, exist_ok=True)
-            wait(groups[run.plan.export].heads[0].call.remote("export_hf", str(path)), "export", run.stage_timeout_s)
-        last["final_policy"] = str(path)
-    last.update(summary_extra or {})  # e.g. the exported model's trainable/total parameters
-    last.update(run_summary(reporter.rows, rt.num_episode, run_dir, tracker_links, ui))
-    summary = run_dir / "summary.json"
-    with writing("the run summary", summary, cleanup=summary.with_suffix(".json.tmp")):
-        summary.with_suffix(".json.tmp").write_text(json.dumps(json_safe(last), default=str, indent=1,
-                                                               allow_nan=False))
-        summary.with_suffix(".json.tmp").replace(summary)  # never half a summary
-    record_progress(cfg, rt.num_episode, final_policy=last.get("final_policy"), finished=True)
-    return last
+            wait(ctx.actors.heads(ctx.spec.plan.export)[0].call.remote("export_hf", str(path)), "export",
+                 rt.stage_timeout_s)
+        extra["final_policy"] = str(path)
+    extra.update(summary)  # e.g. the exported model's trainable/total parameters
+    return recorder.finish(extra)

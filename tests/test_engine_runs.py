@@ -294,9 +294,7 @@ def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_ap
     import ray
 
     from chatlearn.models.rule import RuleSpec
-    from chatlearn.runtime.calls.handles import RunHandle
     from chatlearn.runtime.calls.waiting import StageClock
-    from chatlearn.runtime.plan import EpisodePlan
     from flows.rule_tasks import fan_out_rule
 
     fn = "chatlearn.tasks.max_digit:max_digit_reward"
@@ -304,16 +302,13 @@ def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_ap
                         "answer": ["2", "7"], "response_ids": torch.zeros(2, 1)}),
                ray.put({"sample_id": [3], "prompt": ["max 5 ?"], "response": ["5"], "answer": ["5"]})]
 
-    def handle(num_cpus):
-        return RunHandle(namespace="x", actors={}, plan=EpisodePlan(), dataset_size=1,
-                         run_dir="x", exp_name="x", sample_per_episode=1,
-                         generation_batch_size=1,
-                         rule_rewards={"reward": RuleSpec(reward_fn=fn, timeout_s=10, num_cpus=num_cpus)})
+    def rule(num_cpus):
+        return RuleSpec(reward_fn=fn, timeout_s=10, num_cpus=num_cpus)
 
     clock = StageClock("score", 0, 60)
-    futures = fan_out_rule(handle(0.5), "reward", [[b] for b in batches])
+    futures = fan_out_rule(rule(0.5), "reward", [[b] for b in batches])
     assert [f.result(clock) for f in futures] == [[1.0, pytest.approx(0.5 * (1 - 6 / 9))], [1.0]]
-    pending = fan_out_rule(handle(64), "reward", [batches[:1]])[0]
+    pending = fan_out_rule(rule(64), "reward", [batches[:1]])[0]
     with pytest.raises(ray.exceptions.GetTimeoutError):
         ray.get(pending.ref, timeout=3)
     ray.cancel(pending.ref, force=True)
@@ -425,7 +420,8 @@ def test_killing_the_workers_that_made_an_episodes_batches_leaves_the_run_undist
     ends as the undisturbed run does: the same rows, the same final weights, bit for bit."""
     import ray
 
-    from chatlearn.runtime.calls.handles import RefBox, RunHandle
+    from chatlearn.runtime.calls.handles import RefBox
+    from chatlearn.runtime.calls.waiting import StageClock
     from flows import train_flow
 
     monkeypatch.chdir(REPO)
@@ -438,7 +434,7 @@ def test_killing_the_workers_that_made_an_episodes_batches_leaves_the_run_undist
     ray.cloudpickle.register_pickle_by_value(custom_engine)
     driver = ray.get_runtime_context().get_worker_id()
     owners, killed, disturb = [], [], [False]
-    box, stream = RefBox.__init__, RunHandle.stream
+    box, clock_init = RefBox.__init__, StageClock.__init__
 
     # patched on classes, which Ray pickles by reference (a stage task's globals travel by value with the Prefect
     # context of every rule-reward task, and this module is no module a worker can import)
@@ -447,15 +443,15 @@ def test_killing_the_workers_that_made_an_episodes_batches_leaves_the_run_undist
         owners.extend(owner_of(r) for part in refs for r in (part if isinstance(part, list) else [part])
                       if isinstance(r, ray.ObjectRef))
 
-    def stream_after_killing(self):  # the train stage asks for it first, once score handed its batches on
-        if disturb[0]:
+    def clock_after_killing(self, stage, episode, timeout_s):  # the train stage's first step, once score handed
+        if disturb[0] and stage == "train":  # its batches on
             for pid in idle_task_workers():
                 sigkill_and_wait(pid)
                 killed.append(pid)
-        return stream(self)
+        clock_init(self, stage, episode, timeout_s)
 
     monkeypatch.setattr(RefBox, "__init__", recording_box)
-    monkeypatch.setattr(RunHandle, "stream", stream_after_killing)
+    monkeypatch.setattr(StageClock, "__init__", clock_after_killing)
     args = ["runtime.num_episode=2", "runtime.sample_per_episode=32", "runtime.generation_batch_size=16",
             "runtime.train_micro_batch_size=16", "runtime.train_global_batch_size=32",
             "runtime.eval_episode_interval=0", "runtime.enable_eval_before_training=false"]

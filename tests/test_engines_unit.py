@@ -269,9 +269,9 @@ def test_lora_trainer_syncs_merged_weights_into_a_plain_policy(tiny_model_dir, g
 
 
 def test_a_pair_file_missing_a_response_is_refused_with_file_and_line(tmp_path):
+    from chatlearn.data.preflight import record_keys
     from chatlearn.data.prompts import DataError
     from chatlearn.data.records import load_records
-    from chatlearn.runtime.cluster.launch import record_keys
 
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"prompt": "max 1 ?", "chosen": "1", "rejected": "2"}\n{"prompt": "max 2 ?", "chosen": "2"}\n')

@@ -169,7 +169,7 @@ def test_the_layer_test_sees_a_new_upward_import(tmp_path, monkeypatch):
     assert layer_of("chatlearn.runtime.cluster.launch") > layer_of("chatlearn.data.oops")
 
 
-def test_stage_tasks_and_the_episode_take_a_run_handle_not_the_config():
+def test_stage_tasks_and_the_episode_take_the_run_context_not_the_config():
     import inspect
 
     from chatlearn.config import ChatLearnConfig
@@ -180,7 +180,7 @@ def test_stage_tasks_and_the_episode_take_a_run_handle_not_the_config():
     for t in tasks:
         params = inspect.signature(t.fn).parameters.values()
         assert all(p.annotation is not ChatLearnConfig for p in params), t.name
-        assert next(iter(params)).name == "run", t.name
+        assert next(iter(params)).name == "ctx", t.name
 
 
 def deadline_free_gets(path: str) -> list[int]:

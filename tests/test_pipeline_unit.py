@@ -8,15 +8,17 @@ import time
 
 import pytest
 
-from chatlearn.config import ConfigError, EngineChecks, load_config
+from chatlearn.config import ConfigError, EngineChecks, RuntimeConfig, load_config
 from chatlearn.data.sampler import episode_generation_batches
 from chatlearn.data.staleness import drop_stale
-from chatlearn.runtime.calls.handles import RunHandle
 from chatlearn.runtime.calls.waiting import StageTimeout
-from chatlearn.runtime.pipeline import EpisodeGate, Pipeline, PipelineStopped
+from chatlearn.runtime.context import Actors, RunContext
+from chatlearn.runtime.episodes import EpisodeGate, Pipeline, PipelineStopped
 from chatlearn.runtime.plan import EpisodePlan
+from chatlearn.runtime.rollout import Rollout
+from chatlearn.runtime.spec import RunSpec
 from chatlearn.runtime.weights.sync import SyncRoute
-from chatlearn.runtime.weights.versions import WeightVersions, generation_version
+from chatlearn.runtime.weights.versions import PolicyWeights, WeightVersions, generation_version
 from tests.conftest import REPO
 
 
@@ -94,15 +96,18 @@ def test_a_gate_opens_with_the_start_iteration_and_gives_up_with_the_reason():
     assert pickle.loads(pickle.dumps(EpisodeGate(4))) == "EpisodeGate(start_iteration=4)"
 
 
-def _handle(**kw):
-    return RunHandle(namespace="x", actors={"policy": [["w1"]]}, plan=EpisodePlan(), dataset_size=100, run_dir="x",
-                     exp_name="x", sample_per_episode=24, generation_batch_size=8, group_size=4, **kw)
+def _ctx(weights=None, max_staleness=0, seed=None, num_episode=10):
+    """A run's context for the pipeline alone: 100 prompts, 24 samples an episode in groups of 4, one replica."""
+    runtime = RuntimeConfig(sample_per_episode=24, generation_batch_size=8, max_staleness=max_staleness,
+                            data_shuffle=seed is not None, seed=seed or 0, num_episode=num_episode)
+    spec = RunSpec(runtime=runtime, engine="grpo", plan=EpisodePlan(), generation_batch_size=8, group_size=4)
+    return RunContext(spec, Actors({"policy": [["w1"]]}, {"w1": None}), None,
+                      Rollout(spec, weights or PolicyWeights()), calls=None, dataset_size=100)
 
 
 def test_episodes_started_ahead_read_the_prompts_the_synchronous_run_reads(monkeypatch):
     monkeypatch.setattr(EpisodePlan, "producer", property(lambda self: "policy"))
-    run = _handle(max_staleness=2, shuffle_seed=7)
-    pipe = Pipeline(lambda *a: None, run, first=3, num_episode=10, consumed_samples=72)
+    pipe = Pipeline(_ctx(max_staleness=2, seed=7), lambda *a: None, first=3, consumed_samples=72)
     consumed, expected = 72, {}
     for episode in range(3, 8):  # the synchronous loop: each episode's generate stage reports its samples
         expected[episode] = consumed
@@ -133,10 +138,10 @@ def test_the_next_episode_starts_while_this_one_trains_and_scores_only_after_it(
     """The pipeline's order with k = 1, on fake episodes: episode 1's subflow starts once episode 0 has generated
     (while 0 is still running), and passes its gate only after the train flow took episode 0's result."""
     monkeypatch.setattr(EpisodePlan, "producer", property(lambda self: "policy"))
-    run = _handle(max_staleness=1)
     route = SyncRoute(key="ppo_policy->policy", src="ppo_policy", dst="policy", src_ranks=["a"], dst_ranks=[["b"]])
-    run.versions = WeightVersions(route, actor=None, max_staleness=1, timeout_s=10)
-    run.versions._put(0, "v0")  # published at the start
+    versions = WeightVersions(route, actor=None, max_staleness=1, timeout_s=10)
+    versions._put(0, "v0")  # published at the start
+    ctx = _ctx(versions, max_staleness=1, num_episode=3)
     events, started = [], {e: threading.Event() for e in range(3)}
 
     def call(episode, params, next_episode):
@@ -147,14 +152,14 @@ def test_the_next_episode_starts_while_this_one_trains_and_scores_only_after_it(
             assert started[1].wait(5)
         start_iteration = params["gate"].wait()
         events.append(("trained", episode, start_iteration))
-        run.versions._put(episode + 1, f"v{episode + 1}")  # the sync stage's publish
+        versions._put(episode + 1, f"v{episode + 1}")  # the sync stage's publish
         return {"episode": episode, "iteration": start_iteration + 2}
 
     prepared = []
-    pipe = Pipeline(call, run, first=0, num_episode=3, consumed_samples=0, prepare=prepared.append)
+    pipe = Pipeline(ctx, call, first=0, consumed_samples=0, prepare=prepared.append)
     iteration = 0
     for episode in range(3):
-        iteration = pipe.run(episode, iteration)["iteration"]
+        iteration = pipe.run(episode, None, iteration)["iteration"]
     pipe.close()
     assert iteration == 6
     assert events.index(("generated", 1)) < events.index(("trained", 0, 0))  # overlap

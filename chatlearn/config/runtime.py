@@ -76,7 +76,7 @@ class AgentConfig(Section):
     """``runtime.agent``: multi-turn rollouts (``runtime.task_type: agent``). The policy answers, the environment
     (one instance per sample) reads the answer and returns an observation, the policy answers again, until the
     environment says done, ``max_turns`` answers were given, or a whole turn no longer fits ``max_total_tokens``
-    (``flows/agent_turns.py``)."""
+    (`chatlearn.runtime.rollout.multi_turn`)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -46,6 +46,11 @@ class BaseModule:
         # the replica's layout and per-dimension groups (chatlearn.models.parallel), when it has several
         self.parallel: Any = None
 
+    def run_notes(self, plan: Any) -> list[str]:
+        """Lines the terminal shows once when a run starts, in the driver (e.g. where a trainer's inputs come
+        from); ``plan`` is the run's episode plan (`chatlearn.runtime.plan.EpisodePlan`)."""
+        return []
+
     # -- wiring done by the framework, before setup() -------------------------------------------------------
     def bind(self, module_args: ModelConfig, runtime_args: RuntimeConfig, replica_id: int, seed: int) -> None:
         """Attach configs; called on the actor before `setup`."""

@@ -25,7 +25,7 @@ against the proximal policy (``trainer``) and weighs each token by proximal / be
 (:mod:`chatlearn.algorithms.off_policy`).
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -114,6 +114,12 @@ class GRPOPolicyTrainer(CausalLMTrainer):
     the reference and entropy bonus, each aggregated as ``loss_agg_mode`` over the global batch."""
 
     args_schema = GRPOPolicyArgs
+
+    def run_notes(self, plan: Any) -> list[str]:
+        """Where the ratio's old log-probs come from (the engine's flow decides: `chatlearn.runtime.engines`)."""
+        src = ("the trainer's forward pass in the score stage" if plan.calls(self.name, "forward_step")
+               else "generation (the policy holds the trainer's weights, synced every episode)")
+        return [f"old log-probs: {src}"]
 
     def setup(self) -> None:
         super().setup()

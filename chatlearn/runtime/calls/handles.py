@@ -1,11 +1,10 @@
-"""What the episode tasks need to find the run's actors and to know what is due: names and a few numbers.
+"""How the driver calls a model: one rank (`ModelHandle`), a replica of several ranks called as one
+(`ReplicaHandle`, returning a `Call`), and `RefBox`, which carries ObjectRefs between tasks.
 
-Prefect serializes flow parameters to JSON for its API, so the episode subflow gets a small, readable
-`RunHandle` (namespace, actor names, dataset sizes, the plan, and the handful of config numbers the stage
-tasks read) and each task looks its actors up by name; no task carries the whole config.
 `RefBox` carries ObjectRefs between tasks without a task runner resolving them (RayTaskRunner `ray.get`s every
 bare ObjectRef it finds in task parameters, which would drag rollouts through every task process; the episode's
-thread-pool runner would not, but a boxed ref reads the same under both).
+thread-pool runner would not, but a boxed ref reads the same under both). The run's processes and their handles
+are `chatlearn.runtime.context.Actors`.
 
 Who owns an episode's batches: the driver (the flow process), whatever the engine. Ray makes the caller the owner
 of a call's return values, so a call whose result is a batch (`BATCH_METHODS`, a flow step, the StreamDataset's
@@ -17,101 +16,7 @@ Owned by the driver, which holds its ref until the episode ends and makes every 
 outlives the process that made it and never crosses a worker on its way (tests/test_engine_runs.py).
 """
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
-
-import ray
-from pydantic import BaseModel, Field
-
-from chatlearn.envs.turns import TurnSpec
-from chatlearn.models.rule import RuleSpec
-from chatlearn.runtime.plan import EpisodePlan
-from chatlearn.runtime.weights.sync import SyncRoute
-
-# The driver's own handles of the actors `launch` created, by (namespace, name). Looking an actor up by name asks
-# the GCS, and a lookup waiting when the GCS goes away never returns (chatlearn.runtime.cluster.head); elsewhere
-# (a Ray task given a RunHandle) actors are looked up by name.
-_OWN: dict[tuple[str, str], Any] = {}
-
-
-@contextlib.contextmanager
-def own_actors(namespace: str, actors: dict[str, Any]) -> Iterator[None]:
-    """Within: the driver finds these actors (name -> handle) by their handles, without asking the GCS."""
-    keys = [(namespace, name) for name in actors]
-    _OWN.update(zip(keys, actors.values(), strict=True))
-    try:
-        yield
-    finally:
-        for key in keys:
-            _OWN.pop(key, None)
-
-
-def get_actor(name: str, namespace: str) -> Any:
-    """The actor ``name``: the driver's own handle when it has one, else Ray's lookup by name."""
-    own = _OWN.get((namespace, name))
-    return own if own is not None else ray.get_actor(name, namespace=namespace)
-
-
-class RunHandle(BaseModel):
-    namespace: str
-    actors: dict[str, list[list[str]]]
-    plan: EpisodePlan
-    dataset_size: int
-    eval_dataset_size: int = 0
-    run_dir: str
-    exp_name: str
-    data_checkpoint_path: str = ""
-    stream_actor: str = ""
-    # the config numbers the stage tasks read
-    sample_per_episode: int = Field(description="runtime.sample_per_episode")
-    generation_batch_size: int = Field(description="the producer's generation batch size")
-    shuffle_seed: int | None = Field(None, description="seed of the prompt order (None: file order)")
-    group_size: int = Field(1, description="responses per prompt (the producer's num_inference_per_prompt)")
-    sync_frequency: dict[str, int] = Field(default_factory=dict, description="per model receiving weights")
-    save_episode_interval: int | None = None
-    num_episode: int = Field(0, description="runtime.num_episode (the last episode always checkpoints)")
-    eval_episode_interval: int = 0
-    checkpoint_models: list[str] = Field(default_factory=list, description="models that save checkpoints")
-    eval_post_process_fn: str | None = None
-    placement: list[dict[str, Any]] = Field(default_factory=list, description="one row per worker process")
-    rule_rewards: dict[str, RuleSpec] = Field(default_factory=dict, description="rule rewards scored one "
-                                              "Prefect task per batch on Ray (flows/rule_tasks.py)")
-    sync_routes: list[SyncRoute] = Field(default_factory=list, description="trainer -> inference weight routes")
-    concurrent_comm: bool = True
-    param_sync_max_workers: int | None = None
-    stage_timeout_s: float | None = Field(None, description="runtime.stage_timeout_s (chatlearn.runtime.calls.waiting)")
-    max_staleness: int = Field(0, description="runtime.max_staleness (pipelined episodes)")
-    sampling_rounds: int = Field(1, description="the most generation rounds of an episode: runtime."
-                                 "max_sampling_rounds with dynamic_sampling, else 1")
-    # pipelined episodes: the policy's weights by version (chatlearn.runtime.weights.versions), in the driver
-    versions: Any = Field(None, exclude=True)
-    # partial rollouts: the responses in flight by episode (chatlearn.data.partial_rollout), in the driver
-    partial: Any = Field(None, exclude=True)
-    agent: TurnSpec | None = Field(None, description="task_type: agent: the environment and the turn limits "
-                                   "(flows/agent_turns.py)")
-    pad_token_id: int = Field(0, description="the producer's pad token (batches the driver collates)")
-    # the flows' steps (functions of the driver, run as Ray tasks): not sent to the Prefect API
-    steps: dict[str, Any] = Field(default_factory=dict, exclude=True)
-
-    def actor(self, process: str) -> Any:
-        """A worker process of the run, by name."""
-        return get_actor(process, self.namespace)
-
-    def stream(self) -> Any:
-        """The run's StreamDataset actor."""
-        return get_actor(self.stream_actor, self.namespace)
-
-    def heads(self, model: str) -> list["ReplicaHandle"]:
-        """Every replica of `model`, called as one (all its ranks get each call; rank 0's result is returned)."""
-        return [ReplicaHandle([self._handle(model, n) for n in rep]) for rep in self.actors[model]]
-
-    def all_actors(self, model: str) -> list["ModelHandle"]:
-        """Every rank of every replica of `model`."""
-        return [self._handle(model, n) for rep in self.actors[model] for n in rep]
-
-    def _handle(self, model: str, process: str) -> "ModelHandle":
-        return ModelHandle(get_actor(process, self.namespace), model, process)
 
 
 class ModelHandle:

@@ -7,8 +7,6 @@ pair up in that order), so a stage sends its calls in the flow's node order: `Tu
 
 import threading
 import time
-import uuid
-from typing import ClassVar
 
 from chatlearn.runtime.calls.stopping import Stopped, stop_signal, stopping
 from chatlearn.runtime.calls.waiting import StageClock
@@ -48,19 +46,7 @@ class Turns:
             self.aborted = True
             self.cond.notify_all()
 
-    # The running stages' turns and clocks, by key: a Prefect task run's parameters go into the context that
-    # Prefect ships with the Ray tasks it starts (a rule reward's), so a call's task run holds only the key.
-    _LIVE: ClassVar[dict[str, tuple["Turns", StageClock]]] = {}
-
-    def register(self, clock: StageClock) -> str:
-        key = uuid.uuid4().hex
-        Turns._LIVE[key] = (self, clock)
-        return key
-
-    @staticmethod
-    def of(key: str) -> tuple["Turns", StageClock]:
-        return Turns._LIVE[key]
-
-    @staticmethod
-    def unregister(key: str) -> None:
-        Turns._LIVE.pop(key, None)
+    def __reduce__(self) -> tuple:
+        # a call's task run parameters travel with the Prefect tasks it starts on Ray (a rule reward's): there the
+        # turns are their description (a condition variable does not pickle)
+        return str, (f"Turns({self.order})",)

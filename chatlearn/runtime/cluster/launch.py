@@ -5,40 +5,20 @@ task: an actor created inside a task dies with it) and killed on the way out, fa
 """
 
 import contextlib
-import gc
-import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import ray
 
-from chatlearn.checkpoint.resume import models_to_checkpoint
 from chatlearn.config import ChatLearnConfig
-from chatlearn.config.engine_checks import group_size
-from chatlearn.config.user_code import shipped_code, user_code
-from chatlearn.data.preflight import record_keys
-from chatlearn.data.ranking import rank_prompts
-from chatlearn.envs.turns import TurnSpec
-from chatlearn.models.base_module import BaseModule
-from chatlearn.models.rule import RuleSpec
-from chatlearn.runtime.calls.handles import RunHandle, own_actors
-from chatlearn.runtime.calls.recovery import HeadLost, head_loss
-from chatlearn.runtime.calls.stopping import keep_handlers, on_stop
-from chatlearn.runtime.calls.waiting import wait
+from chatlearn.config.user_code import shipped_code
+from chatlearn.runtime.calls.stopping import keep_handlers
 from chatlearn.runtime.cluster import reaper
-from chatlearn.runtime.cluster.head import HeadWatch, RayHeadGone, local_ray_pids
-from chatlearn.runtime.cluster.model_group import ModelGroup, Workers, cluster_nodes, setup_models, start_workers
 from chatlearn.runtime.cluster.placement import NodeSpec, plan_placement
-from chatlearn.runtime.cluster.stream_dataset import StreamDataset
-from chatlearn.runtime.plan import ResolvedEngine
-from chatlearn.runtime.prepared import PreparedRun
-from chatlearn.runtime.weights.sync import SyncRoute, check_specs, connect, plan_route
 from chatlearn.utils.devices import fake_gpus
-from chatlearn.utils.errors import find_error
 from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, code_dirs_on_path
 
 logger = logging.getLogger("chatlearn")
@@ -202,205 +182,3 @@ def _wait_for_nodes(count: int, timeout_s: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the Ray cluster has {alive} of the job's {count} nodes after {timeout_s:.0f}s")
         time.sleep(1.0)
-
-
-def build_local_model_files(cfg: ChatLearnConfig, modules: dict[str, BaseModule]) -> None:
-    """Build local model files (e.g. the embedded tiny Llama) once, on the driver, not racing in every actor."""
-    for name, mod in modules.items():
-        prepare = getattr(mod, "prepare_files", None)
-        if prepare is not None:
-            prepare(cfg.models[name])
-
-
-def _run_handle(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers, prefix: str,
-                namespace: str, dataset_size: int, eval_size: int, data_checkpoint_path: str) -> RunHandle:
-    rt, plan = cfg.runtime, eng.plan
-    return RunHandle(
-        namespace=namespace,
-        actors={n: [[h.process for h in rep] for rep in g.replicas] for n, g in workers.groups.items()},
-        placement=workers.plan.rows(),
-        plan=plan, dataset_size=dataset_size, eval_dataset_size=eval_size, run_dir=rt.run_dir, exp_name=rt.exp_name,
-        data_checkpoint_path=data_checkpoint_path, stream_actor=prefix + "stream-dataset",
-        sample_per_episode=rt.sample_per_episode,
-        generation_batch_size=cfg.models[plan.producer].generation_batch_size or rt.generation_batch_size,
-        shuffle_seed=rt.shuffle_seed, group_size=group_size(cfg, plan.producer),
-        sync_frequency={dst: cfg.models[dst].sync_frequency for _, dst in plan.sync},
-        save_episode_interval=rt.save_episode_interval, num_episode=rt.num_episode,
-        eval_episode_interval=rt.eval_episode_interval,
-        checkpoint_models=models_to_checkpoint(cfg, plan.trainers, plan.sync) if plan.trainers else [],
-        eval_post_process_fn=rt.eval_post_process_fn,
-        rule_rewards=rule_rewards(cfg, eng),
-        sync_routes=sync_routes_of(cfg, eng, workers),
-        concurrent_comm=rt.concurrent_comm, param_sync_max_workers=rt.param_sync_max_workers,
-        stage_timeout_s=rt.stage_timeout_s, steps=dict(eng.steps), max_staleness=rt.max_staleness,
-        sampling_rounds=rt.max_sampling_rounds if rt.dynamic_sampling else 1,
-        agent=_turn_spec(cfg, eng) if rt.task_type == "agent" else None,
-    )
-
-
-def _turn_spec(cfg: ChatLearnConfig, eng: ResolvedEngine) -> TurnSpec:
-    """``runtime.agent`` with what an environment step needs of the policy (its answer length, its tokenizer)."""
-    agent, name = cfg.runtime.agent, eng.plan.producer
-    args = type(eng.modules[name]).args_schema.model_validate(cfg.models[name].args_dict or {})
-    return TurnSpec(env=agent.env, env_args=agent.env_args, max_turns=agent.max_turns,
-                    max_total_tokens=agent.max_total_tokens, max_new_tokens=args.max_new_tokens,
-                    seed=cfg.runtime.seed, model_path=str(args.model_path),
-                    num_cpus=agent.num_cpus_per_task, timeout_s=agent.timeout_s, retries=agent.retries)
-
-
-def sync_routes_of(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers) -> list[SyncRoute]:
-    """Plan each (trainer, inference) pair's weight route, check the two models' tensors agree (names, shapes,
-    dtypes: a mismatch is an error now, not at the first sync) and join the sync groups (unless
-    ``free_sync_collective_group``: then each sync joins and leaves its own)."""
-    by_name = {workers.names[pid]: a for pid, a in workers.actors.items()}
-    routes = []
-    for src, dst in eng.plan.sync:
-        sg, dg = workers.groups[src], workers.groups[dst]
-        collective = all(getattr(type(eng.modules[m]), "collective_sync", False) for m in (src, dst))
-        route = plan_route(src, dst, [h.process for h in sg.replicas[0]],
-                           [[h.process for h in rep] for rep in dg.replicas], collective, cfg.runtime)
-        if collective:
-            src_specs, dst_specs = wait([by_name[route.src_ranks[0]].sync_specs.remote(src, "src"),
-                                         by_name[route.dst_ranks[0][0]].sync_specs.remote(dst, "dst")], "setup",
-                                        cfg.runtime.stage_timeout_s)
-            route.specs = check_specs(route, src_specs, dst_specs)
-            if not route.free_group:
-                connect(route, by_name.__getitem__)
-        routes.append(route)
-    return routes
-
-
-def rule_rewards(cfg: ChatLearnConfig, eng: ResolvedEngine) -> dict[str, RuleSpec]:
-    """The rule rewards (``RuleReward`` modules with ``fan_out``, the default) the environment or evaluator flow
-    calls: each batch they score is a Prefect task on Ray (``flows/rule_tasks.py``) before their model's call."""
-    from chatlearn.models.hf.reward import RuleReward  # torch-heavy; launch runs once per run
-
-    out = {}
-    for name, module in eng.modules.items():
-        if isinstance(module, RuleReward) and eng.plan.calls(name, "forward_step", "eval_step", "eval_forward",
-                                                             "score_step"):
-            args = RuleReward.args_schema.model_validate(cfg.models[name].args_dict or {})
-            if args.fan_out:
-                out[name] = RuleSpec.of(args)
-    return out
-
-
-def write_placement(run_dir: str, workers: Workers, node_ids: list[str], infos: dict[str, list[dict]]) -> None:
-    """``run_dir/placement.json``: the plan, and where each rank really runs (Ray node id, GPU ids, pid)."""
-    def record(info: dict) -> dict:
-        return {"node_id": info["node"], "gpu_ids": [int(g) for g in info["gpu_ids"]], "pid": info["pid"],
-                "setup_seconds": round(info["setup_seconds"], 3)}
-
-    ranks = {}
-    for name, reps in workers.plan.models.items():
-        flat = iter(infos[name])  # setup infos come rank by rank, replica after replica
-        ranks[name] = [[record(next(flat)) for _ in rep] for rep in reps]
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "placement.json"), "w") as f:
-        json.dump({"plan": workers.plan.to_json(), "nodes": node_ids, "ranks": ranks}, f, indent=1)
-
-
-@contextlib.contextmanager
-def launch(prepared: PreparedRun,
-           data_checkpoint_path: str = "") -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
-    """Yield (RunHandle, model groups, StreamDataset actor) for a run; everything is torn down on exit.
-
-    While it runs, the driver and every Ray worker find the user's code in the config's code folders
-    (`chatlearn.config.user_code`)."""
-    with user_code(prepared.cfg), _launch(prepared, data_checkpoint_path) as started:
-        yield started
-
-
-@contextlib.contextmanager
-def _launch(prepared: PreparedRun, data_checkpoint_path: str) -> Iterator[tuple[RunHandle, dict[str, ModelGroup], Any]]:
-    cfg, eng = prepared.cfg, prepared.engine
-    rt = cfg.runtime
-    producer_cfg = cfg.models[eng.plan.producer]
-    key = record_keys(eng.modules[eng.plan.producer], producer_cfg.args_dict or {})
-    # model files, records and prompt lengths were checked when the run was prepared, before Ray starts
-    # lazy sequences (chatlearn.data.records): a large table travels to the actors as its file paths
-    prompts, eval_prompts = prepared.data.prompts, prepared.data.eval_prompts
-    if prompts and producer_cfg.batch_generation.ranking:
-        prompts = rank_prompts(prompts, rt.sample_per_episode, key[0])
-    build_local_model_files(cfg, eng.modules)
-
-    namespace = f"chatlearn-{rt.exp_name}".replace(" ", "_")
-    names = list(eng.modules)
-    started_ray = init_ray(cfg, namespace, names)
-    # a local Ray this run started ends with it, a SIGKILLed driver included, and the Ray head going away is
-    # noticed within seconds (chatlearn.runtime.cluster.reaper, chatlearn.runtime.cluster.head)
-    local = started_ray and not os.environ.get("RAY_ADDRESS")
-    ray_reaper = reaper.Reaper(local_ray_pids()) if local and reaper.supported() else None
-    watch = HeadWatch(local)
-    stop_guard = contextlib.ExitStack()
-    prefix = f"{uuid.uuid4().hex[:8]}-"
-    workers: Workers | None = None
-    stream = None
-
-    def kill_all() -> None:  # on SIGTERM / Ctrl-C: every stage call blocked on an actor fails at once
-        if workers is not None:
-            workers.kill()
-        if stream is not None:
-            ray.kill(stream, no_restart=True)
-
-    try:
-        nodes, node_ids = cluster_nodes()
-        plan = plan_placement(cfg, names, nodes)  # PlacementError before any actor starts
-        for msg in plan.warnings:
-            logger.warning("placement: %s", msg)
-        t0 = time.perf_counter()
-        stop_guard.enter_context(on_stop(kill_all))
-        workers = start_workers(plan, node_ids, cfg, eng.modules, namespace, prefix)
-        stream = ray.remote(StreamDataset).options(name=prefix + "stream-dataset", namespace=namespace,
-                                                   num_cpus=0, max_restarts=0).remote(rt)
-        stop_guard.enter_context(own_actors(namespace, {**{workers.names[p]: a for p, a in workers.actors.items()},
-                                                        prefix + "stream-dataset": stream}))
-        infos = setup_models(workers, rt.concurrent_setup, rt.stage_timeout_s)
-        write_placement(rt.run_dir, workers, node_ids, infos)
-        logger.info("started %d worker processes for %d models in %.1fs", len(workers.actors), len(names),
-                    time.perf_counter() - t0)
-
-        producer = workers.groups[eng.plan.producer]
-        sizes = [0]
-        if prompts:
-            prompts_ref = ray.put(prompts)
-            sizes = wait([a.build_dataset.remote(prompts_ref) for a in producer.heads], "setup", rt.stage_timeout_s)
-        if eval_prompts and eng.plan.evaluator is not None:  # the evaluator's first model answers the eval set
-            eval_ref = ray.put(eval_prompts)
-            answering = workers.groups[eng.plan.eval_producer]
-            wait([a.build_dataset.remote(eval_ref, True) for a in answering.heads], "setup", rt.stage_timeout_s)
-        run = _run_handle(cfg, eng, workers, prefix, namespace, sizes[0], len(eval_prompts), data_checkpoint_path)
-        run.pad_token_id = int((infos.get(eng.plan.producer) or [{}])[0].get("pad_token_id", 0))
-        yield run, workers.groups, stream
-    except Exception as exc:  # with the Ray head gone, whatever broke on the way is the head's loss
-        lost = head_loss(None)
-        if lost is None:
-            raise
-        lost = find_error(exc, HeadLost) or lost  # the one a wait raised names the episode
-        if not lost.local:  # a cluster's head: the run ends (one line; the flow run Crashed)
-            raise RayHeadGone(lost.message) from exc
-        if lost is exc:
-            raise
-        raise lost from exc
-    finally:
-        stop_guard.close()
-        if watch.gone is not None:  # no GCS to ask: the actors are asked to exit by a call of their own
-            watch.end_actors([*(workers.actors.values() if workers is not None else []), *filter(None, [stream])])
-        else:
-            if workers is not None:
-                with contextlib.suppress(Exception):
-                    ray.get([a.shutdown.remote() for a in workers.actors.values()], timeout=10)
-                workers.kill()
-            if stream is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(stream, no_restart=True)
-        watch.close()
-        if started_ray:
-            # Garbage in reference cycles that still holds Ray objects (Prefect keeps task results and states in
-            # memory) is collected now, while the core worker is up. A run was seen to end with status 1 and
-            # Ray's "core worker has already been shutdown" from Prefect's API log thread just after shutdown; a
-            # collection there freeing such objects is the likely path (not reproduced in isolation)
-            gc.collect()
-            ray.shutdown()
-        if ray_reaper is not None:
-            ray_reaper.close()

@@ -147,10 +147,9 @@ class EpisodeInstruments:
         self.traces: list[str] = []
 
     @classmethod
-    def of(cls, runtime: Any, groups: Mapping[str, Any], first_episode: int) -> "EpisodeInstruments":
-        """From the run's `runtime` config and model groups (each worker process once, colocated or not)."""
-        workers = {h.process: h.actor for g in groups.values() for h in g.actors}
-        return cls(runtime.nsys, runtime.profiler_dir, list(workers.values()), first_episode, runtime.stage_timeout_s)
+    def of(cls, runtime: Any, workers: list[Any], first_episode: int) -> "EpisodeInstruments":
+        """From the run's `runtime` config and its worker processes (each once, colocated models or not)."""
+        return cls(runtime.nsys, runtime.profiler_dir, list(workers), first_episode, runtime.stage_timeout_s)
 
     @contextmanager
     def episode(self, episode: int) -> Iterator[None]:

@@ -60,7 +60,7 @@ class Subflows:
         self._ahead: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()  # pipelined episodes call from several threads
         self._taken: set[str] = set()  # names whose flow run a call took: never created again
-        self._serialized: dict[int, tuple[Any, Any]] = {}  # id -> (object, its JSON form): the same RunHandle
+        self._serialized: dict[int, tuple[Any, Any]] = {}  # id -> (object, its JSON form)
 
     def prepare(self, name: str, parent_id: UUID | None = None) -> None:
         """Create the flow run of a later call named ``name``, in the background, under the flow run
@@ -171,8 +171,8 @@ class Subflows:
         _set_states(prepared, running)
 
     def _json(self, value: Any) -> Any:
-        """``value`` as the flow run's parameters show it; an object passed again (the RunHandle: 8 KB of JSON)
-        is serialized once."""
+        """``value`` as the flow run's parameters show it; an object passed again (one per run, e.g. the run's
+        context) is serialized once."""
         if isinstance(value, (int, float, str, bool, type(None))):
             return value
         kept = self._serialized.get(id(value))

@@ -28,8 +28,10 @@ from safetensors.torch import save_file
 
 from chatlearn.checkpoint.model_checkpoint import load_weights
 from chatlearn.runtime.calls.stopping import Stopped, stop_signal, stopping
-from chatlearn.runtime.calls.waiting import StageClock, StageTimeout
+from chatlearn.runtime.calls.waiting import MIN_STEP_TIMEOUT_S, StageClock, StageTimeout
 from chatlearn.runtime.weights.sync import SyncRoute
+from chatlearn.utils.errors import RunError
+from chatlearn.utils.storage import writing
 from chatlearn.utils.tied import separate_storage, without_aliases
 
 _POLL_S = 0.2
@@ -55,20 +57,41 @@ _SAVE = ray.remote(num_cpus=0, max_retries=0)(_save_weights)
 _LOAD = ray.remote(num_cpus=0, max_retries=0)(load_weights)
 
 
-@contextlib.contextmanager
-def policy_turn(versions: WeightVersions | None, model: str | None, version: int | None,
-                clock: StageClock) -> Iterator[None]:
-    """Around a stage's calls of ``model``: in pipelined episodes, when it is the policy, the policy's `turn` with
-    ``version`` loaded (no other stage's calls in between); otherwise nothing."""
-    if versions is None or model != versions.model or version is None:
-        yield
-        return
-    with versions.turn:
-        versions.load(version, clock)
+class PolicyWeights:
+    """Where the generating policy's weights come from, as the rollout asks (`chatlearn.runtime.rollout`).
+
+    This base is synchronous episodes: the sync stage copies the trainer's weights into the policy with the other
+    routes, so nothing is versioned, published or saved. `WeightVersions` is the pipelined source."""
+
+    def __repr__(self) -> str:
+        return "synced"
+
+    def start(self, ctx: Any, resumed: Any) -> None:
+        """Before the first episode (``resumed``: the data checkpoint the run goes on from, or None)."""
+
+    def version(self, episode: int) -> int | None:
+        """The version episode ``episode`` generates on, when generation runs on versions (else None)."""
+        return None
+
+    @contextlib.contextmanager
+    def turn(self, model: str | None, version: int | None, clock: StageClock) -> Iterator[None]:
+        """Around a stage's calls of ``model`` on ``version`` (nothing to do here)."""
         yield
 
+    def routes(self, due: list[SyncRoute]) -> list[SyncRoute]:
+        """Of the weight routes due after training, those the sync stage copies."""
+        return due
 
-class WeightVersions:
+    def publish(self, episode: int, clock: StageClock) -> list[str]:
+        """After episode ``episode`` trained: what was published (a description per version)."""
+        return []
+
+    def save(self, ctx: Any, episode: int, iteration: int, clock: StageClock) -> dict[int, str]:
+        """With episode ``episode``'s checkpoint: the versions the next episodes generate on, by file."""
+        return {}
+
+
+class WeightVersions(PolicyWeights):
     """The versions of ``route``'s trainer weights that generation may still need (see the module's doc)."""
 
     def __init__(self, route: SyncRoute, actor: Callable[[str], Any], max_staleness: int,
@@ -77,25 +100,71 @@ class WeightVersions:
         self._refs: dict[int, Any] = {}
         self._changed = threading.Condition()
         self._loaded: int | None = None
-        self.turn = threading.Lock()  # the policy's stages (generate, eval): one at a time, loads included
+        self.lock = threading.Lock()  # the policy's stages (generate, eval): one at a time, loads included
 
     def __repr__(self) -> str:
         return f"WeightVersions({self.route.key}, max_staleness={self.max_staleness})"
 
     def __reduce__(self) -> tuple:
-        # a RunHandle reaches Prefect tasks on Ray (rule rewards) with the flow run's context: the driver's
-        # versions are only their description there (locks do not pickle)
+        # the run's context reaches Prefect tasks on Ray (rule rewards) with the flow run's: the driver's versions
+        # are only their description there (locks do not pickle)
         return str, (repr(self),)
 
     @property
     def model(self) -> str:
         return self.route.dst
 
+    # ---- as the rollout asks (PolicyWeights) ----
+
+    def start(self, ctx: Any, resumed: Any) -> None:
+        """The trainer's weights as the first version; on resume the older versions the next episodes generate
+        on, from the checkpoint (``resumed``: its `DataCheckpoint`)."""
+        clock = StageClock("resume" if resumed else "setup", -1,
+                           max(self.timeout_s or 0, MIN_STEP_TIMEOUT_S))
+        if resumed is not None:
+            missing = [v for v in range(generation_version(resumed.episode + 1, self.max_staleness),
+                                        resumed.episode + 1) if v not in resumed.policy_versions]
+            if missing:
+                raise RunError(f"the data checkpoint of episode {resumed.episode + 1} in "
+                               f"{ctx.spec.data_checkpoint_path} has no policy weights of version(s) {missing}, which "
+                               f"runtime.max_staleness {self.max_staleness} generates on next (was it written by a "
+                               f"run with a smaller max_staleness?)")
+            self.restore(resumed.policy_versions)
+        self.publish_version(resumed.episode + 1 if resumed is not None else 0, clock)
+
+    def version(self, episode: int) -> int | None:
+        return generation_version(episode, self.max_staleness)
+
+    @contextlib.contextmanager
+    def turn(self, model: str | None, version: int | None, clock: StageClock) -> Iterator[None]:
+        """Around a stage's calls of ``model``: when it is the policy, its `turn` with ``version`` loaded (no other
+        stage's calls in between)."""
+        if model != self.model or version is None:
+            yield
+            return
+        with self.lock:
+            self.load(version, clock)
+            yield
+
+    def routes(self, due: list[SyncRoute]) -> list[SyncRoute]:
+        return [r for r in due if r.key != self.route.key]  # the policy's weights go as versions
+
+    def publish(self, episode: int, clock: StageClock) -> list[str]:
+        self.publish_version(episode + 1, clock)
+        self.release_below(generation_version(episode + 1, self.max_staleness))
+        return [f"{self.route.key} (version {episode + 1})"]
+
+    def save(self, ctx: Any, episode: int, iteration: int, clock: StageClock) -> dict[int, str]:
+        directory = os.path.join(ctx.spec.data_checkpoint_path, "policy_versions", f"iter_{iteration:07d}")
+        with writing("the policy versions", directory):  # a full disk: one RunError naming the path
+            return self.save_versions(list(range(generation_version(episode + 1, self.max_staleness), episode + 1)),
+                                      directory, clock)
+
     def versions(self) -> list[int]:
         with self._changed:
             return sorted(self._refs)
 
-    def publish(self, version: int, clock: StageClock) -> None:
+    def publish_version(self, version: int, clock: StageClock) -> None:
         """The trainer's current weights as ``version`` (every rank gathers; rank 0's are kept)."""
         # as a batch is made (`Worker.run_batch`): a small `done` per rank to wait on, and rank 0's weights as an
         # object of their own in the store, owned by the driver and never fetched by it
@@ -127,7 +196,7 @@ class WeightVersions:
                 self._changed.wait(_POLL_S)
 
     def load(self, version: int, clock: StageClock) -> None:
-        """Put ``version`` into every process of the policy's replicas; the caller holds `turn`."""
+        """Put ``version`` into every process of the policy's replicas; the caller holds `lock`."""
         if self._loaded == version:
             return
         self.wait_for(version, f"{clock.stage} of episode {clock.episode + 1}")
@@ -146,7 +215,7 @@ class WeightVersions:
 
     # ---- checkpoints: the versions a resume generates on ----
 
-    def save(self, versions: list[int], directory: str, clock: StageClock) -> dict[int, str]:
+    def save_versions(self, versions: list[int], directory: str, clock: StageClock) -> dict[int, str]:
         """Write ``versions`` under ``directory`` (by Ray tasks, not through the driver); returns their files."""
         os.makedirs(directory, exist_ok=True)
         with self._changed:
