@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak bench-precision gpu-smoke clean
+.PHONY: setup train test test-fast lint docs bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak bench-precision gpu-smoke clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	# PyPI the CUDA build: TORCH_INDEX=https://download.pytorch.org/whl/cpu takes PyTorch's CPU wheel instead);
 	# a bare `torch` requirement resolved later would pull the newest CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install -q -e '.[test,trackers]'
+	$(BIN)/python -m pip install -q -e '.[test,trackers,docs]'
 	touch $(STAMP)
 
 train: setup
@@ -33,6 +33,11 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check chatlearn flows tests bench
+
+# the documentation site, strictly (a broken link or reference fails), into docs/site; `mkdocs serve -f
+# docs/mkdocs.yml` serves it while editing. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2, not this site
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -f docs/mkdocs.yml
 
 bench: setup
 	$(BIN)/python bench/default_run.py

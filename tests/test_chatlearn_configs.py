@@ -4,7 +4,7 @@
 refused and resolved for each top-level config in `../shared/reference/chatlearn-1.0.2-configs`, with the
 environment its own run scripts set and with none. Each case loads the same file from the same folder with
 the same environment through `chatlearn.config.load_config` and compares. Where we deliberately differ, the
-difference is listed here and in the README.
+difference is listed here and in the docs (docs/pages/configuration.md, "Where we differ from ChatLearn 1.0.2").
 """
 
 import json

@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 from chatlearn.config import ConfigError, ConfigWarning, EngineChecks, load_config
-from chatlearn.config.support import _CLASSES, FIELDS, markdown_table
+from chatlearn.config.support import _CLASSES, FIELDS
 from chatlearn.models.hf.policy import PolicyArgs
 from tests.conftest import REPO
 
@@ -95,11 +95,6 @@ def test_offload_flags_act_on_colocated_models_and_warn_on_others():
                              "runtime.colocation=['policy,reference,reward,ppo_policy']")
     assert problems == []
     assert [w.split("=")[0] for w in warned] == ["models.value.offload_weights"]  # the switch, not its effects
-
-
-def test_readme_has_the_field_table():
-    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    assert markdown_table() in readme
 
 
 def test_vllm_top_k_minus_one_means_off():

@@ -80,8 +80,10 @@ def dpo_loss(
     with IPO, so combining them is rejected here instead of being silently ignored.
 
     Args:
-        policy_chosen, policy_rejected: ``[B]`` sequence log-probs under the policy (grad).
-        ref_chosen, ref_rejected: ``[B]`` sequence log-probs under the frozen reference.
+        policy_chosen: ``[B]`` sequence log-probs of the chosen responses under the policy (grad).
+        policy_rejected: the same of the rejected responses.
+        ref_chosen: ``[B]`` sequence log-probs of the chosen responses under the frozen reference.
+        ref_rejected: the same of the rejected responses.
         beta: inverse temperature (ChatLearn's ``dpo_weight``), > 0.
         label_smoothing: cDPO label-flip probability in ``[0, 0.5]``.
         ipo: use the IPO squared loss.

@@ -9,8 +9,8 @@ Each seed field has a status:
   yet: one warning naming the field, and the run goes on;
 * ``inert``: has no effect by design here (stated in the table).
 
-The table itself is ``support.yaml`` next to this file; the README's field table is :func:`markdown_table`, and a
-test keeps the two equal. The refusal and the
+The table itself is ``support.yaml`` next to this file; the field table of the docs' configuration page
+(``docs/pages/configuration.md``) is :func:`markdown_table`, and a test keeps the two equal. The refusal and the
 warnings are part of an engine's checks (:mod:`chatlearn.config.engine_checks`), so ``chatlearn config``
 still prints such a config.
 """
@@ -98,7 +98,7 @@ def unsupported_values(cfg: ChatLearnConfig, models: Iterable[str]) -> list[str]
 
 
 def markdown_table() -> str:
-    """The README's table: every seed field, its status and what it does here."""
+    """The docs' field table: every seed field, its status and what it does here."""
     rows = ["| field | here | what it does here |", "|---|---|---|"]
     for kind, statuses in FIELDS.items():
         for name, support in statuses.items():
