@@ -11,6 +11,10 @@ Layers, lowest first (a module may import its own layer and the ones below):
     flows                      Prefect flows and tasks
     chatlearn.cli              the command: it starts runs and registers the flows as deployments
 
+Inside `chatlearn.runtime` the same rule holds between its parts, lowest first (`RUNTIME_LAYERS`): what the
+engines' flows compile into, how the driver calls and waits, weight transfer, what a run records, the cluster's
+processes, the run's spec and context, the rollout strategies, and what starts and runs a run.
+
 The one upward arrow allowed: `chatlearn.runtime.engine` imports `flows.train_flow` / `flows.eval_flow`
 inside `learn()` / `eval()`, because ChatLearn's API starts a run from the engine (documented there).
 An import inside a function is allowed only with a comment saying why (on it or just above its block).
@@ -32,6 +36,17 @@ LAYERS = [
     ["chatlearn"],
     ["flows"],
     ["chatlearn.cli"],
+]
+RUNTIME_LAYERS = [
+    ["chatlearn.runtime.compute_flow", "chatlearn.runtime.plan", "chatlearn.runtime.schedule"],
+    ["chatlearn.runtime.calls"],
+    ["chatlearn.runtime.weights"],
+    ["chatlearn.runtime.records", "chatlearn.runtime.prefect"],
+    ["chatlearn.runtime.cluster"],
+    ["chatlearn.runtime.spec", "chatlearn.runtime.context"],
+    ["chatlearn.runtime.rollout"],
+    ["chatlearn.runtime.launch", "chatlearn.runtime.episodes", "chatlearn.runtime.engines",
+     "chatlearn.runtime.prepared", "chatlearn.runtime.engine", "chatlearn.runtime"],
 ]
 ALLOWED_UPWARD = {("chatlearn.runtime.engine", "flows.train_flow"), ("chatlearn.runtime.engine", "flows.eval_flow")}
 
@@ -69,13 +84,13 @@ def imports(path: str, known: set[str]) -> list[tuple[str, int, bool]]:
     return found
 
 
-def layer_of(module: str) -> int:
+def layer_of(module: str, layers: list[list[str]] = LAYERS) -> int:
     best, level = -1, -1
-    for i, prefixes in enumerate(LAYERS):
+    for i, prefixes in enumerate(layers):
         for prefix in prefixes:
             if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
                 best, level = len(prefix), i
-    assert level >= 0, f"{module} is in no layer: add it to LAYERS"
+    assert level >= 0, f"{module} is in no layer: add it to the layers"
     return level
 
 
@@ -92,6 +107,15 @@ def graph() -> dict[str, set[str]]:
 def test_imports_go_down_the_layers():
     upward = sorted((a, b) for a, targets in graph().items() for b in targets
                     if layer_of(b) > layer_of(a) and (a, b) not in ALLOWED_UPWARD)
+    assert upward == []
+
+
+def test_the_runtimes_parts_import_downward_only():
+    # a loop between two sub-packages is no loop of modules (test_no_import_loops cannot see it): the runtime's
+    # parts have an order of their own
+    runtime = {m for m in module_files() if m.startswith("chatlearn.runtime")}
+    upward = sorted((a, b) for a, targets in graph().items() if a in runtime for b in targets
+                    if b in runtime and layer_of(b, RUNTIME_LAYERS) > layer_of(a, RUNTIME_LAYERS))
     assert upward == []
 
 
@@ -167,6 +191,9 @@ def test_the_layer_test_sees_a_new_upward_import(tmp_path, monkeypatch):
     found = [name for name, _, _ in imports(files["chatlearn.data.oops"], set(files))]
     assert found == ["chatlearn.runtime.cluster.launch"]
     assert layer_of("chatlearn.runtime.cluster.launch") > layer_of("chatlearn.data.oops")
+    # and inside the runtime: the driver's waits asking the cluster's head watch would be a loop of parts
+    assert layer_of("chatlearn.runtime.cluster.head", RUNTIME_LAYERS) > layer_of("chatlearn.runtime.calls.waiting",
+                                                                                RUNTIME_LAYERS)
 
 
 def test_stage_tasks_and_the_episode_take_the_run_context_not_the_config():

@@ -90,7 +90,7 @@ class FakeWatch:
 def watching(monkeypatch):
     """Make the run's head watch report ``gone`` (a head.Gone, or None while the head is there)."""
     watches: list = []
-    monkeypatch.setattr(head, "_WATCHES", watches)
+    monkeypatch.setattr(recovery, "WATCHES", watches)
     return lambda gone: watches.append(FakeWatch(gone))
 
 

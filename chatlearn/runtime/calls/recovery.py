@@ -25,7 +25,6 @@ from typing import Any
 
 import ray
 
-from chatlearn.runtime.cluster.head import head_gone
 from chatlearn.utils.errors import RunError
 
 
@@ -57,9 +56,15 @@ def _during(episode: int | None) -> str:
     return f" during episode {episode + 1}" if episode is not None and episode >= 0 else ""  # counted from 1
 
 
+# The watch of the Ray head while a run's actors exist (`chatlearn.runtime.cluster.head.HeadWatch` adds itself):
+# process-wide, as the driver's one connection to Ray is; every wait of the driver asks it (`check_head`)
+WATCHES: list[Any] = []
+
+
 def head_loss(episode: int | None) -> HeadLost | None:
-    """A HeadLost if the Ray head went away (``episode``: the one running, 0-based), None while it is there."""
-    gone = head_gone()
+    """A HeadLost if the Ray head went away (``episode``: the one running, 0-based), None while it is there (or
+    nothing watches it)."""
+    gone = WATCHES[-1].gone if WATCHES else None
     if gone is None:
         return None
     if gone.local:

@@ -24,8 +24,8 @@ So `HeadWatch` runs a thread for as long as the run's actors exist:
   (no GCS needed), after the call they are in; a re-run resumes from the last checkpoint.
 
 Once the head is gone the driver makes no GCS call: its waits for the actors raise within half a second
-(`chatlearn.runtime.calls.waiting`), it finds its actors through its own handles
-(`chatlearn.runtime.calls.handles.own_actors`), and `launch` skips its GCS teardown.
+(`chatlearn.runtime.calls.waiting`, which asks the watch through `chatlearn.runtime.calls.recovery`), it finds
+its actors through its own handles (`chatlearn.runtime.context.Actors`), and `launch` skips its GCS teardown.
 """
 
 import os
@@ -38,6 +38,7 @@ from typing import Any
 
 import ray
 
+from chatlearn.runtime.calls import recovery
 from chatlearn.runtime.cluster import reaper
 from chatlearn.utils.errors import RunCrashed
 
@@ -95,7 +96,7 @@ class HeadWatch:
             self._roots = local_ray_pids()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="chatlearn-head-watch", daemon=True)
-        _WATCHES.append(self)
+        recovery.WATCHES.append(self)
         self._thread.start()
 
     def _watch(self) -> None:
@@ -132,16 +133,8 @@ class HeadWatch:
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=PING_TIMEOUT_S + POLL_S + 1)
-        if self in _WATCHES:
-            _WATCHES.remove(self)
-
-
-_WATCHES: list[HeadWatch] = []  # the watch of the launch in progress (one per driver)
-
-
-def head_gone() -> Gone | None:
-    """How the head of the Ray the run uses went away; None while it is there (or nothing watches it)."""
-    return _WATCHES[-1].gone if _WATCHES else None
+        if self in recovery.WATCHES:
+            recovery.WATCHES.remove(self)
 
 
 def local_ray_pids() -> list[int]:
