@@ -1,3 +1,3 @@
 """A run's processes on Ray: the placement plan, placement groups and worker processes, the model hosts
-inside them, the stream dataset actor, and launching (or joining) the cluster.
+inside them, the stream dataset actor, joining or starting Ray, and the Ray head going away.
 """
