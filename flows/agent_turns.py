@@ -24,9 +24,9 @@ from chatlearn.envs.turns import StepResult, TurnSpec, step_conversations
 from chatlearn.models.hf.common import load_tokenizer
 from chatlearn.runtime.calls.handles import RefBox, RunHandle
 from chatlearn.runtime.calls.waiting import StageClock
+from chatlearn.runtime.prefect.ray_tasks import ray_task_runner
 from chatlearn.utils.faults import crash_point
 from flows.model_calls import Batches, run_calls
-from flows.ray_tasks import ray_task_runner
 
 
 @functools.lru_cache(maxsize=4)

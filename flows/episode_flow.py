@@ -23,8 +23,8 @@ from chatlearn.runtime.calls.recovery import kill_point
 from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.pipeline import EpisodeGate
 from chatlearn.runtime.plan import EpisodePlan
-from chatlearn.runtime.records.subflows import started_hook
-from chatlearn.runtime.records.task_runs import RecordedTaskRunner
+from chatlearn.runtime.prefect.subflows import started_hook
+from chatlearn.runtime.prefect.task_runs import RecordedTaskRunner
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
 from flows.model_calls import unwalked

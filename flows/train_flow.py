@@ -47,8 +47,10 @@ from chatlearn.runtime.cluster.model_group import ModelGroup
 from chatlearn.runtime.cluster.placement import PlacementError, table_text
 from chatlearn.runtime.pipeline import Pipeline
 from chatlearn.runtime.plan import ResolvedEngine
+from chatlearn.runtime.prefect import api_link
+from chatlearn.runtime.prefect.prevalidated import ConfigParam, PrevalidatedFlow, config_of
+from chatlearn.runtime.prefect.subflows import Subflows
 from chatlearn.runtime.prepared import PreparedRun, handed_down, prepare_run
-from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.prefect_server import configured_api_url
 from chatlearn.runtime.records.profiling import EpisodeInstruments
 from chatlearn.runtime.records.reporting import (
@@ -62,7 +64,6 @@ from chatlearn.runtime.records.reporting import (
 )
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.runtime.records.run_record import claim_run_dir, train_run_name
-from chatlearn.runtime.records.subflows import Subflows
 from chatlearn.runtime.records.trackers import Trackers
 from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.runtime.weights.versions import WeightVersions, generation_version
@@ -71,7 +72,6 @@ from chatlearn.utils.faults import crash_point
 from chatlearn.utils.storage import writing
 from flows.episode_flow import episode_name, episode_runner
 from flows.pins import check_run
-from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
 
