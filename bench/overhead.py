@@ -17,8 +17,8 @@ Variants:
     prefect       the episode as `chatlearn train` runs it: a subflow run of the bench flow (as of the train
                   flow) with its stage and model-call task runs, its flow run created during the episode before
                   (once that one generated) and its states sent in the background
-                  (`chatlearn/runtime/records/subflows.py`), its task runs recorded from state events
-                  (`chatlearn/runtime/records/task_runs.py`)
+                  (`chatlearn/runtime/prefect/subflows.py`), its task runs recorded from state events
+                  (`chatlearn/runtime/prefect/task_runs.py`)
     prefect-engine  the same subflow through Prefect's own subflow call (`api_link.call_flow`), as before (its task
                   runs recorded as in `prefect`)
 
@@ -35,10 +35,11 @@ of the server) and lists the groups and functions the CPU goes to. Prints tables
 Rule-reward tasks (`--rule-tasks N`, default 30; `--rule-tasks-only` runs just this, no actors, and writes
 `bench/results/rule_tasks.json`): the median per-task cost of the `rule-reward` Prefect task
 (`flows/rule_tasks.py`) on one 64-sample batch, submitted from inside a task as the score stage does, on
-prefect-ray's `RayTaskRunner` (before) and on `WarmRayTaskRunner` (after, `flows/ray_tasks.py`), the two
-interleaved round by round in one run: one task at a time (submit -> result), the driver's share of it
-(submit), and N at once. Then where the `RayTaskRunner` time goes: the driver's settings serialization and
-the worker's settings hydration, API clients and TLS contexts, measured one by one.
+prefect-ray's `RayTaskRunner` (before) and on `WarmRayTaskRunner` (after,
+`chatlearn/runtime/prefect/ray_tasks.py`), the two interleaved round by round in one run: one task at a time
+(submit -> result), the driver's share of it (submit), and N at once. Then where the `RayTaskRunner` time
+goes: the driver's settings serialization and the worker's settings hydration, API clients and TLS contexts,
+measured one by one.
 
     .venv/bin/python bench/overhead.py [--rounds 10] [--profile 6] [--rule-tasks 30] [key=value overrides]
     .venv/bin/python bench/overhead.py --rule-tasks-only [--rule-tasks 30]
@@ -93,7 +94,7 @@ def direct_episode(ctx: Any, episode: int, consumed: int, iteration: int) -> dic
     from prefect.context import FlowRunContext
 
     from chatlearn.runtime.episodes import EpisodeGate
-    from chatlearn.runtime.records import api_link
+    from chatlearn.runtime.prefect import api_link
     from flows.episode_flow import episode_runner
 
     with _no_prefect():
@@ -265,7 +266,7 @@ def rule_task_costs(rule: Any, n: int, rounds: int = 3) -> dict[str, Any]:
     from prefect_ray.context import remote_options
 
     from chatlearn.runtime.calls.handles import RefBox
-    from flows.ray_tasks import WarmRayTaskRunner
+    from chatlearn.runtime.prefect.ray_tasks import WarmRayTaskRunner
     from flows.rule_tasks import rule_reward
 
     batch = RefBox([ray.put({"sample_id": list(range(RULE_BATCH)), "prompt": ["max 3 9 4 ?"] * RULE_BATCH,
@@ -538,10 +539,10 @@ def main(argv: list[str]) -> dict:
     from chatlearn.runtime.cluster.launch import init_ray
     from chatlearn.runtime.episodes import EpisodeGate
     from chatlearn.runtime.launch import launch
+    from chatlearn.runtime.prefect import api_link
+    from chatlearn.runtime.prefect.subflows import Subflows
     from chatlearn.runtime.prepared import prepare_run
-    from chatlearn.runtime.records import api_link
     from chatlearn.runtime.records.prefect_server import local_prefect_api
-    from chatlearn.runtime.records.subflows import Subflows
     from chatlearn.runtime.weights.sync import sync_routes
     from flows.episode_flow import episode_name, episode_runner
     from flows.model_calls import PrefectCalls

@@ -12,7 +12,7 @@ recorded:
     rest          the task run created over REST with a Running state, then set Completed (two orchestrated
                   state transitions, the way flow runs are recorded)
     rest-once     the task run created over REST already Completed (one request; no live state in the UI)
-    recorded      how the episode's task runs are recorded now (`chatlearn/runtime/records/task_runs.py`): the
+    recorded      how the episode's task runs are recorded now (`chatlearn/runtime/prefect/task_runs.py`): the
                   function in a thread, the run sent as state events with no task engine, a run shorter than
                   a second as its final state alone
 
@@ -77,8 +77,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     from prefect.task_runners import ThreadPoolTaskRunner
     from prefect.utilities.annotations import quote
 
+    from chatlearn.runtime.prefect.task_runs import RecordedTaskRunner
     from chatlearn.runtime.records.prefect_server import local_prefect_api
-    from chatlearn.runtime.records.task_runs import RecordedTaskRunner
 
     @task(name="noop", cache_policy=NO_CACHE)
     def noop(x: int) -> int:

@@ -18,7 +18,7 @@ from chatlearn.envs.turns import StepResult, TurnSpec, step_conversations
 from chatlearn.models.hf.common import load_tokenizer
 from chatlearn.runtime.calls.handles import RefBox
 from chatlearn.runtime.calls.waiting import StageClock
-from flows.ray_tasks import ray_task_runner
+from chatlearn.runtime.prefect.ray_tasks import ray_task_runner
 
 
 @functools.lru_cache(maxsize=4)

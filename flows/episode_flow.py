@@ -2,14 +2,14 @@
 
 The six stage tasks only dispatch to the model actors, which hold the real resources and do the work on Ray;
 so the tasks themselves run in threads of the train flow's process (the Ray driver), their task runs recorded
-from state events rather than run by Prefect's task engine (`chatlearn.runtime.records.task_runs`). As
+from state events rather than run by Prefect's task engine (`chatlearn.runtime.prefect.task_runs`). As
 Prefect tasks on `RayTaskRunner` each one cost 0.10-0.18 s before its body ran (a Ray worker building
 Prefect's API client and settings per task; an earlier `bench/overhead.py`), about 1 s an episode, against
 about 5 ms in a thread under Prefect's task engine and under 1 ms recorded from events. Stateless work of an
 episode (rule rewards) is fanned out as Prefect tasks on Ray with its own CPUs, on a runner that keeps Prefect's
-settings and client per Ray worker (`flows/ray_tasks.py`, about 12 ms a task).
+settings and client per Ray worker (`chatlearn/runtime/prefect/ray_tasks.py`, about 12 ms a task).
 
-The train flow runs it through `chatlearn.runtime.records.subflows.Subflows`: a subflow run whose records
+The train flow runs it through `chatlearn.runtime.prefect.subflows.Subflows`: a subflow run whose records
 (flow run, states) are sent in the background, so the episode never waits on the Prefect API.
 """
 
@@ -24,8 +24,8 @@ from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.context import RunContext
 from chatlearn.runtime.episodes import EpisodeGate
 from chatlearn.runtime.plan import EpisodePlan
-from chatlearn.runtime.records.subflows import started_hook
-from chatlearn.runtime.records.task_runs import RecordedTaskRunner
+from chatlearn.runtime.prefect.subflows import started_hook
+from chatlearn.runtime.prefect.task_runs import RecordedTaskRunner
 from chatlearn.runtime.schedule import every
 from chatlearn.utils.faults import crash_point
 from flows.model_calls import unwalked

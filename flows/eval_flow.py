@@ -18,12 +18,12 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
 from chatlearn.runtime.launch import launch
+from chatlearn.runtime.prefect import api_link
+from chatlearn.runtime.prefect.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from chatlearn.runtime.prepared import handed_down, prepare_run
-from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from flows.model_calls import PrefectCalls
 from flows.pins import check_run
-from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
 

@@ -19,7 +19,7 @@ from chatlearn.data.batch import merge_batches
 from chatlearn.models.rule import RuleSpec, score_key
 from chatlearn.runtime.calls.handles import RefBox
 from chatlearn.runtime.calls.waiting import StageClock
-from flows.ray_tasks import ray_task_runner
+from chatlearn.runtime.prefect.ray_tasks import ray_task_runner
 
 
 @task(name="rule-reward", cache_policy=NO_CACHE)

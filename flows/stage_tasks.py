@@ -29,7 +29,7 @@ from chatlearn.runtime.calls.handles import RefBox
 from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.compute_flow import BATCH
 from chatlearn.runtime.context import RunContext
-from chatlearn.runtime.records import api_link
+from chatlearn.runtime.prefect import api_link
 from chatlearn.runtime.records.evaluation import eval_metrics, eval_results
 from chatlearn.runtime.records.reporting import artifact_key
 from chatlearn.runtime.schedule import checkpoint_due, every

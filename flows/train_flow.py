@@ -32,21 +32,21 @@ from chatlearn.runtime.cluster.placement import PlacementError, table_text
 from chatlearn.runtime.context import RunContext
 from chatlearn.runtime.episodes import episodes_for
 from chatlearn.runtime.launch import launch
+from chatlearn.runtime.prefect import api_link
+from chatlearn.runtime.prefect.prevalidated import ConfigParam, PrevalidatedFlow, config_of
+from chatlearn.runtime.prefect.subflows import Subflows
 from chatlearn.runtime.prepared import PreparedRun, handed_down, prepare_run
-from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.prefect_server import configured_api_url
 from chatlearn.runtime.records.recorder import RunRecorder
 from chatlearn.runtime.records.reporting import artifact_key
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.runtime.records.run_record import claim_run_dir, train_run_name
-from chatlearn.runtime.records.subflows import Subflows
 from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.storage import writing
 from flows.episode_flow import episode_name, episode_runner
 from flows.model_calls import PrefectCalls
 from flows.pins import check_run
-from flows.prevalidated import ConfigParam, PrevalidatedFlow, config_of
 from flows.stage_tasks import evaluate
 
 

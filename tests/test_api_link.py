@@ -1,4 +1,4 @@
-"""The Prefect API going away (chatlearn.runtime.records.api_link), in the small: what counts as the API being
+"""The Prefect API going away (chatlearn.runtime.prefect.api_link), in the small: what counts as the API being
 unreachable, informing calls dropped while it is, and a flow body whose result survives the API failing around
 it without being run twice. The real runs (a killed server, restarted or not) are in tests/test_resume.py."""
 
@@ -7,8 +7,8 @@ import logging
 import httpx
 import pytest
 
-from chatlearn.runtime.records import api_link
-from chatlearn.runtime.records.api_link import ApiLink, call_flow, keeps_result, unreachable
+from chatlearn.runtime.prefect import api_link
+from chatlearn.runtime.prefect.api_link import ApiLink, call_flow, keeps_result, unreachable
 
 
 def _connect_error() -> httpx.ConnectError:
@@ -166,7 +166,7 @@ def test_the_unrecorded_task_runner_hands_the_function_values_not_annotations():
     from prefect import task
     from prefect.utilities.annotations import opaque, quote
 
-    from chatlearn.runtime.records.task_runs import RecordedTaskRunner
+    from chatlearn.runtime.prefect.task_runs import RecordedTaskRunner
     from flows.model_calls import unwalked
 
     @task

@@ -393,9 +393,9 @@ def test_a_batch_is_the_drivers_and_outlives_the_process_that_made_it(ray_sessio
 def idle_task_workers() -> list[int]:
     """Pids of the session Ray's idle task workers (its raylet's children that Ray titles ``ray::IDLE``): the
     processes that ran an episode's steps and rule-reward tasks, once those returned."""
-    import ray
+    from chatlearn.runtime.cluster import ray_private
 
-    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    raylet = ray_private.local_ray_processes()["raylet"][0].pid
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -18,10 +18,16 @@ processes, the run's spec and context, the rollout strategies, and what starts a
 The one upward arrow allowed: `chatlearn.runtime.engine` imports `flows.train_flow` / `flows.eval_flow`
 inside `learn()` / `eval()`, because ChatLearn's API starts a run from the engine (documented there).
 An import inside a function is allowed only with a comment saying why (on it or just above its block).
+
+Prefect's and Ray's internals each live in one room: only `chatlearn.runtime.prefect` goes beyond Prefect's and
+prefect-ray's public API, only `chatlearn.runtime.cluster.ray_private` beyond Ray's (their private modules and
+`_`-names, private attributes of their objects, their logger names, patching their classes), so an upgrade is
+ported there, guided by `tests/test_private_api_pins.py`.
 """
 
 import ast
 import os
+import re
 from collections import defaultdict
 
 from tests.conftest import REPO
@@ -45,8 +51,11 @@ RUNTIME_LAYERS = [
     ["chatlearn.runtime.cluster"],
     ["chatlearn.runtime.spec", "chatlearn.runtime.context"],
     ["chatlearn.runtime.rollout"],
+    # Prefect's room holds what goes beyond Prefect's public API whatever its level: the prevalidated flow prepares
+    # a run (top), the API link is what every record goes through (records)
     ["chatlearn.runtime.launch", "chatlearn.runtime.episodes", "chatlearn.runtime.engines",
-     "chatlearn.runtime.prepared", "chatlearn.runtime.engine", "chatlearn.runtime"],
+     "chatlearn.runtime.prepared", "chatlearn.runtime.engine", "chatlearn.runtime.prefect.prevalidated",
+     "chatlearn.runtime"],
 ]
 ALLOWED_UPWARD = {("chatlearn.runtime.engine", "flows.train_flow"), ("chatlearn.runtime.engine", "flows.eval_flow")}
 
@@ -226,3 +235,168 @@ def test_the_driver_never_waits_without_a_deadline(tmp_path):
     probe = tmp_path / "probe.py"  # the checker itself
     probe.write_text("import ray\nray.get(a)\nray.get(b, timeout=3)\nx.get(c)\n")
     assert deadline_free_gets(str(probe)) == [2]
+
+
+# The rooms of the libraries' internals (see the module docstring), and the private names they use, from their
+# tables: outside its room, such a name is a private use even where the checker cannot tell the object's type.
+ROOMS = {"prefect": "chatlearn.runtime.prefect", "prefect_ray": "chatlearn.runtime.prefect",
+         "ray": "chatlearn.runtime.cluster.ray_private"}
+ROOM_TABLES = ["chatlearn/runtime/prefect/__init__.py", "chatlearn/runtime/cluster/ray_private.py"]
+
+
+def known_private_names() -> dict[str, str]:
+    """``{private name: library}`` for each `_`-name in the rooms' ``PRIVATE_USES`` (read from their source)."""
+    names: dict[str, str] = {}
+    for table in ROOM_TABLES:
+        tree = ast.parse(open(os.path.join(REPO, table), encoding="utf-8").read())
+        rows = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.AnnAssign)
+                    and isinstance(node.target, ast.Name) and node.target.id == "PRIVATE_USES")
+        for uses, _ in rows:
+            uses = uses.removeprefix("logger ")
+            words = re.findall(r"[A-Za-z_]\w*", uses)
+            for word in words:
+                if word.startswith("_") and word not in ("__init__", "__call__"):
+                    names[word] = words[0]
+    return names
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _root(node: ast.AST) -> str | None:
+    """The name an expression such as ``a.b().c[0].d`` starts from."""
+    while isinstance(node, ast.Attribute | ast.Call | ast.Subscript):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(path: str, known: dict[str, str]) -> list[tuple[str, int, str]]:
+    """(library, line, what) for each use of Prefect's, prefect-ray's or Ray's private API in the file: a private
+    module or a `_`-name imported from one; a `_`-attribute read on a name imported from one (``ray._private``,
+    ``RayTaskRunner._run_prefect_task``), on a class of theirs by a subclass (``self._started``), or, for a name
+    of the rooms' tables, on anything; a `_`-keyword passed to their functions; their classes or modules patched
+    (an attribute assigned, ``setattr``); a string naming one of their private modules or loggers
+    (``"prefect._internal"``) or a private name of the tables (``getattr(x, "_max_workers")``)."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    found: list[tuple[str, int, str]] = []
+    bound: dict[str, str] = {}  # a name imported from one of the libraries -> the library
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                lib = alias.name.split(".")[0]
+                if lib in ROOMS:
+                    bound[alias.asname or lib] = lib
+                    if any(_private(part) for part in alias.name.split(".")):
+                        found.append((lib, node.lineno, f"imports {alias.name}"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            lib = node.module.split(".")[0]
+            if lib not in ROOMS:
+                continue
+            for alias in node.names:
+                bound[alias.asname or alias.name] = lib
+                if any(_private(part) for part in node.module.split(".")) or _private(alias.name):
+                    found.append((lib, node.lineno, f"imports {node.module}.{alias.name}"))
+    docstrings = _docstrings(tree)
+    private_string = re.compile(rf"^({'|'.join(ROOMS)})(\.\w+)*\._")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            lib = bound.get(_root(node.value) or "")
+            if lib is not None and (_private(node.attr) or node.attr in known):
+                found.append((lib, node.lineno, f"reads {ast.unparse(node)}"))
+            elif node.attr in known and _root(node.value) not in ("self", "cls"):
+                found.append((known[node.attr], node.lineno, f"reads {ast.unparse(node)}"))
+        elif isinstance(node, ast.Call):
+            lib = bound.get(_root(node.func) or "")
+            if lib is not None:
+                found += [(lib, node.lineno, f"passes {k.arg}= to {ast.unparse(node.func)}")
+                          for k in node.keywords if k.arg and _private(k.arg)]
+            if isinstance(node.func, ast.Name) and node.func.id == "setattr" and node.args:
+                lib = bound.get(_root(node.args[0]) or "")
+                if lib is not None:
+                    found.append((lib, node.lineno, f"patches {ast.unparse(node.args[0])}"))
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+            for target in targets:
+                lib = bound.get(_root(target) or "") if isinstance(target, ast.Attribute) else None
+                if lib is not None:
+                    found.append((lib, node.lineno, f"patches {ast.unparse(target)}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            match = private_string.match(node.value)
+            if match or node.value in known:
+                found.append((match.group(1) if match else known[node.value], node.lineno, f"names {node.value!r}"))
+        elif isinstance(node, ast.ClassDef):
+            libs = {bound.get(_root(base) or "") for base in node.bases} - {None}
+            own = {t.attr for n in ast.walk(node) if isinstance(n, ast.Assign | ast.AnnAssign)
+                   for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                   if isinstance(t, ast.Attribute) and _root(t) == "self"}
+            found += [(lib, n.lineno, f"{node.name} reads its base's {ast.unparse(n)}") for lib in libs
+                      for n in ast.walk(node) if isinstance(n, ast.Attribute) and _root(n) in ("self", "cls")
+                      and isinstance(n.value, ast.Name) and _private(n.attr) and n.attr not in own]
+    return found
+
+
+def _outside_its_room(module: str, lib: str) -> bool:
+    room = ROOMS[lib]
+    return not (module == room or module.startswith(room + "."))
+
+
+def test_prefect_and_ray_internals_stay_in_their_rooms():
+    known = known_private_names()
+    bench = {f"bench.{name[:-3]}": os.path.join(REPO, "bench", name) for name in os.listdir(os.path.join(REPO, "bench"))
+             if name.endswith(".py")}
+    found = [f"{os.path.relpath(path, REPO)}:{line} {what} ({lib}'s private API belongs in {ROOMS[lib]})"
+             for mod, path in sorted({**module_files(), **bench}.items())
+             for lib, line, what in private_uses(path, known) if _outside_its_room(mod, lib)]
+    assert found == []
+
+
+def test_the_rooms_hold_the_private_uses_their_tables_name():
+    # the tables are the rooms' own: each names something the room uses, so the list of known names is real
+    known = known_private_names()
+    assert {"_create_task_run_locally", "_max_workers", "_run_prefect_task", "_global_node", "_node_ip_address",
+            "__var__"} <= set(known)
+    used = {what for mod, path in module_files().items() for lib, _, what in private_uses(path, known)
+            if not _outside_its_room(mod, lib)}
+    assert any("_create_task_run_locally" in w for w in used) and any("_global_node" in w for w in used)
+
+
+def test_the_room_test_sees_a_planted_private_use(tmp_path):
+    # the checker itself: each way of going beyond the public API, outside a room, is reported
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import logging\n"
+        "import ray\n"
+        "from prefect._internal.engine import resolve_custom_task_run_name\n"
+        "from prefect.task_engine import _create_task_run_locally\n"
+        "from prefect.task_runners import ThreadPoolTaskRunner\n"
+        "from prefect_ray import RayTaskRunner\n"
+        "node = ray._private.worker._global_node\n"
+        "workers = runner._max_workers\n"
+        "workers = getattr(runner, '_max_workers')\n"
+        "logging.getLogger('prefect._internal')\n"
+        "RayTaskRunner.submit = None\n"
+        "ray.init(_node_ip_address='10.0.0.1')\n"
+        "class Pool(ThreadPoolTaskRunner):\n"
+        "    def submit(self):\n"
+        "        self._mine = 1\n"
+        "        return self._executor, self._mine\n"
+        "ray.get(ref, timeout=1)\n"
+        "self._executor = None\n")
+    known = known_private_names()
+    assert sorted((line, lib, what) for lib, line, what in private_uses(str(probe), known)) == [
+        (3, "prefect", "imports prefect._internal.engine.resolve_custom_task_run_name"),
+        (4, "prefect", "imports prefect.task_engine._create_task_run_locally"),
+        (7, "ray", "reads ray._private"), (7, "ray", "reads ray._private.worker._global_node"),
+        (8, "prefect", "reads runner._max_workers"), (9, "prefect", "names '_max_workers'"),
+        (10, "prefect", "names 'prefect._internal'"), (11, "prefect_ray", "patches RayTaskRunner.submit"),
+        (12, "ray", "passes _node_ip_address= to ray.init"), (16, "prefect", "Pool reads its base's self._executor")]
+    assert _outside_its_room("chatlearn.runtime.records.reporting", "prefect")
+    assert not _outside_its_room("chatlearn.runtime.prefect.task_runs", "prefect")
+    assert _outside_its_room("chatlearn.runtime.prefect.task_runs", "ray")

@@ -259,7 +259,7 @@ def test_a_configured_api_is_used_as_is_and_nesting_is_harmless(tmp_path, monkey
 
 
 def test_inside_a_flow_run_a_direct_call_changes_nothing(monkeypatch):
-    from flows.prevalidated import _api_for_direct_call, in_flow_run
+    from chatlearn.runtime.prefect.prevalidated import _api_for_direct_call, in_flow_run
 
     monkeypatch.delenv("PREFECT__FLOW_RUN_ID", raising=False)
     assert not in_flow_run()

@@ -1,4 +1,4 @@
-"""Subflow runs recorded in the background (chatlearn/runtime/records/subflows.py), on the session's Prefect API:
+"""Subflow runs recorded in the background (chatlearn/runtime/prefect/subflows.py), on the session's Prefect API:
 what the API shows is what Prefect's own subflow call shows (a flow run under a task run of the parent, its
 parameters, states, and the task runs of its body under it), the caller never waits for the API, a failure is
 recorded as one, a flow run created ahead and not run is cancelled, and while the API is away the body runs
@@ -20,8 +20,8 @@ from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from chatlearn.runtime.records import api_link, subflows
-from chatlearn.runtime.records.subflows import Subflows, started_hook
+from chatlearn.runtime.prefect import api_link, subflows
+from chatlearn.runtime.prefect.subflows import Subflows, started_hook
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Task runs recorded from events (chatlearn/runtime/records/task_runs.py), on the session's Prefect API: one flow
+"""Task runs recorded from events (chatlearn/runtime/prefect/task_runs.py), on the session's Prefect API: one flow
 run on Prefect's own ThreadPoolTaskRunner and one on RecordedTaskRunner record the same task runs (names, states,
 the inputs that draw the graph's edges, the parent task run of a nested one, state messages), the body sees the
 same values, and a failure and its downstream show as they do under Prefect's task engine. The train flow's
@@ -14,7 +14,7 @@ from prefect.context import FlowRunContext, TaskRunContext
 from prefect.exceptions import UnfinishedRun
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from chatlearn.runtime.records.task_runs import RecordedTaskRunner
+from chatlearn.runtime.prefect.task_runs import RecordedTaskRunner
 from flows.model_calls import unwalked
 
 pytestmark = pytest.mark.integration
@@ -127,7 +127,7 @@ def slow_flow(seconds: float) -> dict:
 
 
 def test_a_long_task_run_shows_running_and_a_short_one_is_sent_once(prefect_api, monkeypatch):
-    from chatlearn.runtime.records import task_runs
+    from chatlearn.runtime.prefect import task_runs
 
     monkeypatch.setattr(task_runs, "RUNNING_AFTER_S", 0.5)
     out = slow_flow(4.0)

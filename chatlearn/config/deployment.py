@@ -7,7 +7,7 @@ overlap rule, and the command line's ``--cron``/``--name``/``--on-overlap`` win 
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from chatlearn.config.sections import Section
 
@@ -46,10 +46,16 @@ class DeploymentConfig(Section):
     def _cron(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        # lazy: Prefect's own cron check (croniter rules) loads only when a schedule is given
-        from prefect._internal.schemas.validators import validate_cron_string
+        # lazy: Prefect's own cron check (croniter rules), through its public schedule model, loads only when a
+        # schedule is given
+        from prefect.client.schemas.schedules import CronSchedule
 
-        return validate_cron_string(value)
+        try:
+            CronSchedule(cron=value)
+        except ValidationError as exc:  # the check's own message, as Prefect words it
+            first = exc.errors()[0]
+            raise ValueError(str(first.get("ctx", {}).get("error", first["msg"]))) from None
+        return value
 
     @field_validator("timezone")
     @classmethod

@@ -82,8 +82,8 @@ class Engine(EngineFlows):
         returns the last episode's metrics.
 
         With no Prefect API configured the run goes to the shared local server `chatlearn train` uses (its UI
-        address is printed on stderr), through the flow's own call (`flows.prevalidated`), never to Prefect's
-        ephemeral API, which would vanish with the call and breaks under Ray."""
+        address is printed on stderr), through the flow's own call (`chatlearn.runtime.prefect.prevalidated`),
+        never to Prefect's ephemeral API, which would vanish with the call and breaks under Ray."""
         from flows.train_flow import train_flow  # the documented upward call (see the module docstring)
 
         return train_flow(self.prepare(config, overrides), modules=self._given_modules(), engine=self.name)

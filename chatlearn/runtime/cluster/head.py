@@ -39,7 +39,7 @@ from typing import Any
 import ray
 
 from chatlearn.runtime.calls import recovery
-from chatlearn.runtime.cluster import reaper
+from chatlearn.runtime.cluster import ray_private, reaper
 from chatlearn.utils.errors import RunCrashed
 
 POLL_S = 0.5  # how often the head is looked at
@@ -91,8 +91,8 @@ class HeadWatch:
         self._vital: dict[str, Any] = {}
         self._roots: list[int] = []
         if local:  # the processes a local Ray cannot live without, and every process it started
-            node = ray._private.worker._global_node
-            self._vital = {name: node.all_processes[name][0].process for name in ("gcs_server", "raylet")}
+            processes = ray_private.local_ray_processes()
+            self._vital = {name: processes[name][0] for name in ("gcs_server", "raylet")}
             self._roots = local_ray_pids()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="chatlearn-head-watch", daemon=True)
@@ -139,13 +139,12 @@ class HeadWatch:
 
 def local_ray_pids() -> list[int]:
     """The processes `ray.init` started for the local Ray of this driver (GCS server, raylet, monitors)."""
-    node = ray._private.worker._global_node
-    return [info.process.pid for infos in node.all_processes.values() for info in infos if info.process]
+    return [proc.pid for procs in ray_private.local_ray_processes().values() for proc in procs if proc]
 
 
 def _gcs_answers() -> bool:
     try:
-        ray._private.worker.global_worker.gcs_client.check_alive([], timeout=PING_TIMEOUT_S)
+        ray_private.check_gcs_alive(timeout=PING_TIMEOUT_S)
         return True
     except Exception:  # RpcError: unavailable or timed out
         return False

@@ -16,7 +16,7 @@ import ray
 from chatlearn.config import ChatLearnConfig
 from chatlearn.config.user_code import shipped_code
 from chatlearn.runtime.calls.stopping import keep_handlers
-from chatlearn.runtime.cluster import reaper
+from chatlearn.runtime.cluster import ray_private, reaper
 from chatlearn.runtime.cluster.placement import NodeSpec, plan_placement
 from chatlearn.utils.devices import fake_gpus
 from chatlearn.utils.imports import CODE_PATH_VAR, code_dirs, code_dirs_on_path
@@ -71,7 +71,7 @@ def init_ray(cfg: ChatLearnConfig, namespace: str, names: list[str]) -> bool:
     address = os.environ.get("RAY_ADDRESS")
     if address:
         if os.environ.get("CHATLEARN_NODE_IP_ADDRESS"):  # this machine's address in the cluster (DLC sets it)
-            common["_node_ip_address"] = os.environ["CHATLEARN_NODE_IP_ADDRESS"]
+            common.update(ray_private.node_ip_address(os.environ["CHATLEARN_NODE_IP_ADDRESS"]))
         with keep_handlers():
             ray.init(address=address, **common)
         _wait_for_nodes(int(os.environ.get("CHATLEARN_WAIT_FOR_NODES", "0") or 0))
@@ -118,11 +118,7 @@ def local_gpus() -> int:
     if fake_gpus():
         return fake_gpus()
     try:
-        from ray._private.accelerators import get_accelerator_manager_for_resource  # Ray's ray.init uses it
-
-        manager = get_accelerator_manager_for_resource("GPU")
-        count = manager.get_current_node_num_accelerators()
-        visible = manager.get_current_process_visible_accelerator_ids()
+        count, visible = ray_private.local_accelerators("GPU")  # as Ray's ray.init detects them
         return min(count, len(visible)) if visible is not None else count
     except Exception:  # no driver library, an unknown platform: a machine without GPUs Ray can use
         return 0
@@ -153,23 +149,10 @@ def loopback_only() -> Iterator[None]:
     Token authentication (`RAY_AUTH_MODE=token`, Ray generates `~/.ray/auth_token` once) is on unless the
     user chose a mode: other local users cannot reach the loopback ports without the token either.
     """
-    from ray._private import ray_constants  # the flag Ray's node-address lookup reads at call time
-    from ray._private.authentication import authentication_token_setup as auth
-
     if "RAY_AUTH_MODE" not in os.environ:  # as Ray's own default for a new local cluster, without its warning
-        auth._enable_token_auth()  # sets the variable and refreshes the mode this process already cached
-    saved_env = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
-    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
+        ray_private.enable_token_auth()  # sets the variable and refreshes the mode this process already cached
+    with ray_private.ray_clusters_disabled():
         yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_env is None:
-            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
-        else:
-            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
 
 
 def _wait_for_nodes(count: int, timeout_s: float = 300.0) -> None:

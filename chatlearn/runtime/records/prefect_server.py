@@ -7,10 +7,11 @@ the live runs using it; the last run out stops it, and a server left behind by a
 (its users are dead) rather than fought over. The database lives in `CHATLEARN_PREFECT_HOME`
 (default `~/.chatlearn/prefect`), so the UI keeps the history of earlier runs.
 
-Direct Python calls (`train_flow(cfg)`, `engine.learn()`) use the same server (`flows.prevalidated`), and
-`chatlearn server` keeps it up between runs (`serve_forever`): it is one more user, so runs join it and
-never stop it. "An API is configured" means Prefect's effective `PREFECT_API_URL` (environment, profile,
-`temporary_settings`, the pytest harness), so a configured server or Prefect Cloud is always used as is.
+Direct Python calls (`train_flow(cfg)`, `engine.learn()`) use the same server
+(`chatlearn.runtime.prefect.prevalidated`), and `chatlearn server` keeps it up between runs (`serve_forever`): it
+is one more user, so runs join it and never stop it. "An API is configured" means Prefect's effective
+`PREFECT_API_URL` (environment, profile, `temporary_settings`, the pytest harness), so a configured server or
+Prefect Cloud is always used as is.
 """
 
 import base64
@@ -32,8 +33,8 @@ from typing import Any
 
 from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-from chatlearn.runtime.records import api_link
-from chatlearn.runtime.records.api_link import healthy
+from chatlearn.runtime.prefect import api_link
+from chatlearn.runtime.prefect.api_link import healthy
 from chatlearn.utils.errors import RunError
 
 

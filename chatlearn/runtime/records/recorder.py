@@ -18,7 +18,7 @@ from chatlearn.checkpoint.data_checkpoint import DataCheckpointStore
 from chatlearn.checkpoint.resume import commit_data_checkpoint
 from chatlearn.checkpoint.run_config import record_progress
 from chatlearn.config import ChatLearnConfig
-from chatlearn.runtime.records import api_link
+from chatlearn.runtime.prefect import api_link
 from chatlearn.runtime.records.reporting import (
     EpisodeReporter,
     RunArtifacts,

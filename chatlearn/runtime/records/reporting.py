@@ -20,7 +20,7 @@ from prefect.utilities.urls import url_for
 from tqdm import tqdm
 
 from chatlearn.config import ChatLearnConfig
-from chatlearn.runtime.records import api_link
+from chatlearn.runtime.prefect import api_link
 from chatlearn.utils.storage import writing
 
 # Column order of the metrics line and the artifact table (keys that are absent are skipped).

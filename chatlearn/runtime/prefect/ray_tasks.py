@@ -21,6 +21,10 @@ Where a task's time went with prefect-ray 0.6.0 and Prefect 3.9.1 (`bench/overhe
 distinct settings and keeps one Ray remote function per resource set; each Ray worker process hydrates those
 settings once and keeps one API client. Everything else is prefect-ray's and Prefect's own code: the task
 engine runs in the worker as before, so task runs, states, retries and logs reach the API as they did.
+
+It copies prefect-ray's `submit`, wraps its private `_run_prefect_task` and sets Prefect's client context
+directly, so it lives in Prefect's room (`chatlearn.runtime.prefect`, whose `PRIVATE_USES` lists what it relies
+on, checked against the installed versions).
 """
 
 import sys

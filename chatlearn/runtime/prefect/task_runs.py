@@ -19,6 +19,10 @@ With ``record=False`` the runner records nothing: while the Prefect API is away 
 task run (`api_link._inline`). Futures behave as the thread pool's (`result`, `wait`); arguments that are futures
 are waited for first, and a task whose upstream failed does not run (its run shows NotReady, and its future
 raises Prefect's `UnfinishedRun`, as under the engine).
+
+It does the engine's bookkeeping with the engine's private parts (`_create_task_run_locally`,
+`resolve_custom_task_run_name`, the thread pool's `_executor`), so it lives in Prefect's room,
+`chatlearn.runtime.prefect`, whose `PRIVATE_USES` lists each for `tests/test_private_api_pins.py`.
 """
 
 import contextvars
@@ -67,7 +71,7 @@ def _refuse_engine_options(task: Any) -> None:
              if on]
     if asked or task.isasync:
         raise NotImplementedError(f"task {task.name!r}: {', '.join(asked) or 'async'} is not supported by "
-                                  "RecordedTaskRunner (chatlearn/runtime/records/task_runs.py)")
+                                  "RecordedTaskRunner (chatlearn/runtime/prefect/task_runs.py)")
 
 
 RUNNING_AFTER_S = 1.0  # a Running state no one could see in the UI (it refreshes every few seconds) is not sent

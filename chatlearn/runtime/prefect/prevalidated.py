@@ -12,6 +12,10 @@ uses (`chatlearn.runtime.records.prefect_server.local_prefect_api`, announced on
 ephemeral mode: that temporary API is gone when the call returns (the UI never shows the run) and is broken
 with Ray (every worker starts its own). Inside a flow run (a subflow, or a deployment run executed by a
 worker) the call changes nothing: its runs belong with the parent's, on the parent's API.
+
+`PrevalidatedFlow` subclasses Prefect's `Flow` to run before Flow's own `__call__` (relying on how that call
+and Flow's constructor take their arguments), so it lives in Prefect's room (`chatlearn.runtime.prefect`, whose
+`PRIVATE_USES` lists what it relies on); the flows in `flows/` import it from here.
 """
 
 import contextlib
@@ -25,8 +29,8 @@ from prefect.context import FlowRunContext, TaskRunContext
 from pydantic import BeforeValidator
 
 from chatlearn.config import ChatLearnConfig, ConfigError, EngineChecks, load_config
+from chatlearn.runtime.prefect import api_link
 from chatlearn.runtime.prepared import PreparedRun, handing_down, prepare_run
-from chatlearn.runtime.records import api_link
 from chatlearn.runtime.records.prefect_server import configured_api_url, local_prefect_api
 
 
@@ -78,7 +82,7 @@ class PrevalidatedFlow(Flow):
             prepared = None if inside else prepare_run(cfg, modules, engine)
         handing = handing_down(prepared) if prepared is not None else contextlib.nullcontext()
         # watched: the Prefect API going away does not stop the run, nor lose its result when the flow run's
-        # final state cannot be recorded (chatlearn.runtime.records.api_link)
+        # final state cannot be recorded (chatlearn.runtime.prefect.api_link)
         with _api_for_direct_call(), handing, api_link.watch(configured_api_url()):
             return api_link.call_flow(self, (prepared.cfg if prepared is not None else cfg,),
                                       dict(modules=modules, **kwargs), invoke=super().__call__)

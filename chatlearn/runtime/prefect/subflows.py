@@ -15,11 +15,15 @@ the caller never waits for them:
   there. The API stamps a flow run's state when it receives it, so the subflow's start and end times in the UI
   are late by the poster's queue and the API's answer (`bench/overhead.py` reports it as the subflow's entry);
   the API gives the parent's task run for it the same states. The task runs of its body are recorded from
-  events with their own times (`chatlearn.runtime.records.task_runs`).
+  events with their own times (`chatlearn.runtime.prefect.task_runs`).
 
 Prefect's engine does more around a subflow (retries, timeouts, hooks, pause/suspend, result persistence);
 the flows run here use none of them. While the API is away the body runs inline in the parent's flow run, with
 no task runs (`api_link`), as before; a flow run created ahead and never run is cancelled.
+
+It makes a subflow's flow run context by hand and asks for the result store without the engine's async switch
+(`_sync=True`), beyond Prefect's public API, so it lives in Prefect's room (`chatlearn.runtime.prefect`, whose
+`PRIVATE_USES` lists what it relies on).
 """
 
 import concurrent.futures
@@ -40,7 +44,7 @@ from prefect.results import get_result_store
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Cancelled, Completed, Crashed, Failed, Pending, Running, State
 
-from chatlearn.runtime.records import api_link
+from chatlearn.runtime.prefect import api_link
 
 _PREPARE_WAIT_S = 30.0  # a created-ahead flow run not there by then: the call runs inline (the API is slow or away)
 

@@ -8,7 +8,7 @@ while a run is watched (`watch`, entered by the train flow):
 - a thread asks the API's ``/health`` every second. If the run started the local server itself
   (`chatlearn.runtime.records.prefect_server`), a dead one is started again on the same port and database, and
   the UI catches up; otherwise the run goes on without the API until it answers again;
-- an episode (`chatlearn.runtime.records.subflows`) runs as a subflow while the API answers, and inline in the
+- an episode (`chatlearn.runtime.prefect.subflows`) runs as a subflow while the API answers, and inline in the
   parent's flow run (the same body and tasks, no subflow of its own: `_inline`) while it does not; its records
   are posted (below), so the API going away mid-episode costs them, never the episode's result. A flow called
   through `call_flow` (the train and eval flows) keeps its body's result when the API fails to record its final
@@ -24,6 +24,10 @@ while a run is watched (`watch`, entered by the train flow):
 
 Everything the run writes (metrics.jsonl, checkpoints, the final policy, summary.json) is in its run
 directory whatever the API did.
+
+Quieting and draining Prefect reaches its internals (the `prefect._internal` logger, the log and event workers'
+private queues, a task runner's pool size), so this module lives in Prefect's room (`chatlearn.runtime.prefect`,
+whose `PRIVATE_USES` lists what it relies on).
 """
 
 import contextlib
@@ -340,7 +344,7 @@ def _inline(flow: Any, parent: FlowRunContext, args: tuple, kwargs: dict) -> Any
     """The flow's body in the parent flow run, its tasks' functions run in threads with no task run (there is
     nowhere to record one; Prefect's task engine would also ask the API for the state of every future it is
     passed)."""
-    from chatlearn.runtime.records.task_runs import RecordedTaskRunner  # it imports this module's callers
+    from chatlearn.runtime.prefect.task_runs import RecordedTaskRunner  # it imports this module's callers
 
     workers = getattr(flow.task_runner, "_max_workers", None) or 8
     with RecordedTaskRunner(max_workers=workers, record=False) as runner, \
