@@ -11,12 +11,15 @@ Why 4 episodes: with `eval_episode_interval: 2` and a checkpoint after the last 
 (lazy set-up), 2 evaluates, 3 is plain (no eval, no checkpoint) and 4 evaluates and checkpoints. Episode 3 is
 "the default episode"; the others are reported too.
 
-An episode's window is the driver's loop iteration as the terminal shows it: from the line that ends the episode
-before (`[episode N-1/M] ...`; for the first, the `eval before training` or `ready to train` line) to the line of
-this one (read as they appear, PYTHONUNBUFFERED=1). It so holds one whole iteration of the train flow's loop (the
-end of the previous iteration's bookkeeping after its line, then this episode up to its metrics line), and a
-function counts when any of its calls falls in it (exactly: each process records the first and last call per
-100 ms).
+An episode's window is one iteration of the train flow's loop, exactly as the driver recorded it: from the call of
+the episode's entry (the outermost function, on the driver's stacks that sent the model calls reaching the loss,
+that is called once per episode: today `Subflows.__call__`, the episode subflow) to its next call, so it holds the
+episode, its bookkeeping after it (metrics line, trackers, artifacts, a checkpoint's commit) and the next
+iteration's start (before-episode hooks). The last episode's window ends at its metrics line (read as it
+appears, PYTHONUNBUFFERED=1), without its bookkeeping. Should no such entry be found, every window runs from the
+metrics line of the episode before (or the `eval before training` / `ready to train` line) to the episode's own:
+a reader's latency off at each end. A function counts when any of its calls falls in the window (exactly: each
+process records the first and last call per 100 ms).
 
 What is counted (a file counts when at least one of its functions ran in the window, lambdas, comprehensions and
 generators included; a file of which only module or class bodies ran, i.e. imported in the window, counts too and
@@ -38,7 +41,7 @@ utilities included; nothing outside them, Prefect, Ray, torch and transformers i
                       around it: the before/after-episode hooks, memory reports, the metrics line, trackers,
                       artifacts (`train_flow.py`, `reporting.py`, `trackers.py`, `console.py`, ...)
     episode+loss call the two above: what the episode runs in the driver and the model process's train call;
-                      the definition that gives issue 45's "about 36" (35 on the commit it was written against)
+                      the definition that gives issue 45's "about 36" (36 in episode 3 at main ad13783)
     call path         only the files on the stacks that lead to the loss: in the model process the stacks at
                       each call of the loss (`--loss`), in the driver the stacks that sent those model calls
                       (`ActorMethod._remote` with the same method and leading text arguments, e.g.
@@ -288,12 +291,36 @@ def episode(procs: list[Process], driver: Process, a: float, b: float) -> dict:
     }
 
 
+def exact_windows(procs: list[Process], driver: Process, lines: list[tuple[float, str]]) -> tuple[dict, str | None]:
+    """Each episode's window from the driver's own record: from the call of the episode's entry (the outermost
+    function, on the driver's stacks that sent the model calls reaching the loss, called once per episode: today
+    `Subflows.__call__`) to its next call; the last episode's ends at its terminal line. Falls back to the
+    terminal lines' windows (`windows`) when no such function is found. Returns the windows and the entry."""
+    by_lines = windows(lines)
+    reached = {(p.name(entry).rsplit(".", 1)[-1], args) for p in procs for entry, args, _, _ in p.stacks}
+    calls: dict[int, set[float]] = defaultdict(set)  # code id -> its calls' times (one record per call here)
+    for c, _, first, _ in driver.calls:
+        calls[c].add(first)
+    for method, args, _, stack in driver.sends:
+        if (method, args) not in reached:
+            continue
+        entry = next((c for c in reversed(stack) if len(calls[c]) == len(by_lines)), None)
+        if entry is not None:
+            starts = sorted(calls[entry])
+            eps = sorted(by_lines)
+            return ({ep: (starts[i], starts[i + 1] if i + 1 < len(eps) else by_lines[ep][1])
+                     for i, ep in enumerate(eps)}, f"{driver.file(entry)}:{driver.name(entry)}")
+    return by_lines, None
+
+
 def analyse(out: Path, pid: int, lines: list[tuple[float, str]]) -> dict:
     procs = [Process(p) for p in sorted((out / "trace").glob("trace-*.tsv"))]
     driver = next((p for p in procs if p.pid == pid), None)
     if driver is None:
         raise SystemExit(f"no trace of the driver (pid {pid}) in {out / 'trace'}")
-    result: dict = {"episodes": {ep: episode(procs, driver, a, b) for ep, (a, b) in sorted(windows(lines).items())}}
+    wins, entry = exact_windows(procs, driver, lines)
+    result: dict = {"windows_from": f"the calls of {entry}" if entry else "the terminal lines",
+                    "episodes": {ep: episode(procs, driver, a, b) for ep, (a, b) in sorted(wins.items())}}
     result["untraced_library_frames"] = [
         {"pid": p.pid, "time": t, "frames": [f"{p.file(c)}:{p.name(c)}" for c in stack]}
         for p in procs for t, stack in p.untraced]
@@ -312,7 +339,8 @@ DEFINITIONS = (  # (key, column title)
 
 def show(result: dict, measure: int) -> None:
     eps = result["episodes"]
-    print("library files touched per episode (see the module's doc for each definition)")
+    print(f"library files touched per episode (see the module's doc for each definition; windows from "
+          f"{result['windows_from']})")
     print(f"{'episode':>8} {'seconds':>8}" + "".join(f" {title:>{max(7, len(title))}}" for _, title in DEFINITIONS))
     for ep, e in eps.items():
         print(f"{ep:>8} {e['seconds']:>8.1f}" + "".join(f" {e['counts'][key]:>{max(7, len(title))}}"
