@@ -72,7 +72,7 @@ bench-precision: setup
 	$(BIN)/python bench/precision.py
 
 # which library files one episode of the embedded default touches, by process, and how many from flows/ to the loss
-# (issue 45's measure): 4 traced episodes, about 8 minutes here (bench/results/episode_files.json)
+# (issue 45's measure): 4 traced episodes, about 9 minutes here (bench/results/episode_files.json)
 bench-episode-files: setup
 	$(BIN)/python bench/episode_files.py
 

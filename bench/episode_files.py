@@ -419,7 +419,10 @@ def main() -> int:
               "loss": loss, "measured_episode": args.measure, "train_wall_seconds": wall, **result}
     show(result, args.measure)
     if args.check:
-        verdict = check(Path(tempfile.mkdtemp(prefix="bench-episode-files-untraced-")), overrides, out)
+        untraced = Path(tempfile.mkdtemp(prefix="bench-episode-files-untraced-"))
+        verdict = check(untraced, overrides, out)
+        if not args.keep:
+            shutil.rmtree(untraced, ignore_errors=True)
         result["untraced_run"] = verdict
         print(f"\nuntraced run: same metrics rows {verdict['same_metrics_rows']}, same final policy "
               f"{verdict['same_final_policy']}")
