@@ -39,7 +39,7 @@ utilities included; nothing outside them, Prefect, Ray, torch and transformers i
                       it called, directly or not, across the stage tasks' threads (callers are recorded per call;
                       a function called from several places counts under each). Not the train flow's loop
                       around it: the before/after-episode hooks, memory reports, the metrics line, trackers,
-                      artifacts (`train_flow.py`, `reporting.py`, `trackers.py`, `console.py`, ...)
+                      artifacts (`train_flow.py`, `reporting.py`, `trackers.py`, ...)
     episode+loss call the two above: what the episode runs in the driver and the model process's train call;
                       the definition that gives issue 45's "about 36" (36 in episode 3 at main ad13783)
     call path         only the files on the stacks that lead to the loss: in the model process the stacks at
@@ -47,11 +47,11 @@ utilities included; nothing outside them, Prefect, Ray, torch and transformers i
                       (`ActorMethod._remote` with the same method and leading text arguments, e.g.
                       `run['ppo_policy', 'train']`), stitched across thread hand-overs (thread pools such as the
                       episode's task runner, and started threads) back to the CLI's main thread
-    episode call path the call path from the episode's entry (below) down: not the CLI, the engine, the train
+    episode call path the call path from the episode's entry (as in `episode`) down: not the CLI, the engine, the train
                       flow and its loop above it
 
 Prints the counts of every episode, the measured episode's files by process with their number of functions, and
-writes it all (functions included) to `bench/results/episode_files.json`.
+writes it all to `bench/results/episode_files.json` (the measured episode's functions by name, the others' counts).
 
     .venv/bin/python bench/episode_files.py [--episodes 4] [--measure 3] [--loss FILE:QUALNAME] [overrides]
     .venv/bin/python bench/episode_files.py --check      # also an untraced run: same metrics rows and policy?
