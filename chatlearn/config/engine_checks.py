@@ -490,29 +490,26 @@ def _lora(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], en
 
 def _rollout_engine(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
     """``runtime.rollout_engine`` names an engine of the generating modules' registry (a module class with
-    ``rollout_engines``: the built-in policy's is ``chatlearn.models.hf.rollout.ROLLOUT_ENGINES``); the GPU
-    engines' names are known and refused; a value no model of the run uses is refused, not ignored."""
-    name = cfg.runtime.rollout_engine
+    ``rollout_engines``, name -> engine class: the built-in policy's is
+    ``chatlearn.models.hf.rollout.ROLLOUT_ENGINES``), and the engine class says what it cannot run (its
+    ``problems(cfg, model)``: pipeline stages, a name only registered to be refused); a value no model of the
+    run uses is refused, not ignored."""
+    name, default = cfg.runtime.rollout_engine, type(cfg.runtime).model_fields["rollout_engine"].default
     users = [(m, cls) for m in names
              if (cls := _module_class(m, cfg, modules, engine)) is not None and hasattr(cls, "rollout_engines")]
     if not users:
-        return [] if name == "hf" else [
+        return [] if name == default else [
             f"runtime.rollout_engine: {name!r}, but no model of the {engine!r} engine generates with a rollout "
-            "engine (only 'hf', the default, is accepted there)"]
-    problems = []
+            f"engine (only {default!r}, the default, is accepted there)"]
+    problems: list[str] = []
     for model, cls in users:
-        known = sorted(cls.rollout_engines)
-        gpu_only = getattr(cls, "gpu_only_rollout_engines", {})
-        if name in gpu_only:
-            return [f"runtime.rollout_engine: {name!r} needs a GPU build of {gpu_only[name]} and is not supported "
-                    f"yet; use one of {known}"]
-        if name not in cls.rollout_engines:
-            return [f"runtime.rollout_engine: {name!r} is not a rollout engine; one of {known}"]
-        pp = cfg.models[model].pipeline_model_parallel_size or 1
-        if name != "hf" and pp > 1:
-            problems.append(f"runtime.rollout_engine: {name!r} with models.{model}.pipeline_model_parallel_size "
-                            f"{pp} is not supported yet (pipeline stages generate with 'hf')")
-    return problems
+        registry = cls.rollout_engines
+        if name not in registry:
+            known = sorted(n for n, e in registry.items() if getattr(e, "implemented", True))
+            return [f"runtime.rollout_engine: {name!r} is not a rollout engine{did_you_mean(name, registry)} (one "
+                    f"of {known})"]
+        problems += registry[name].problems(cfg, model)
+    return list(dict.fromkeys(problems))
 
 
 def _packing(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
