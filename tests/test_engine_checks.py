@@ -260,8 +260,8 @@ def test_reward_settings_the_estimator_does_not_read_are_refused():
 
 def test_the_advantage_estimator_is_the_engines_and_an_unknown_one_is_refused():
     assert check("models.reward.args_dict.advantage_estimator=vtrace")[0] == [
-        "models.reward.args_dict.advantage_estimator: unknown advantage estimator 'vtrace'; known: ['dr_grpo', 'gae', "
-        "'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"]
+        "models.reward.args_dict.advantage_estimator: unknown advantage estimator 'vtrace' (known: dr_grpo, gae, grpo, "
+        "reinforce_pp, reinforce_pp_baseline, rloo)"]
     # the engine's own, named: accepted; another engine's whose inputs the models make: accepted too
     assert check_config("grpo", "models.reward.args_dict.advantage_estimator=grpo") == []
     assert check("models.reward.args_dict.advantage_estimator=gae")[0] == []

@@ -76,6 +76,8 @@ class EngineChecks:
         problems += _packing(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _old_logprobs(cfg, name)
         problems += _rollout_engine(cfg, [r for r in roles if r in cfg.models], self.modules, name)
+        problems += _advantage_shape(cfg, name, spec, roles, self.modules)
+        problems += _environment_args(cfg)
         problems += _reward_settings(cfg, name, spec, self.modules)
         problems += _advantage_estimator(cfg, name, spec, self.modules)
         problems += _sync_frequency(cfg, spec)
@@ -510,6 +512,60 @@ def _rollout_engine(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str
                     f"of {known})"]
         problems += registry[name].problems(cfg, model)
     return list(dict.fromkeys(problems))
+
+
+def _advantage_shape(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, roles: list[str],
+                     modules: Mapping[str, Any]) -> list[str]:
+    """The advantages the reward's estimator makes (per response token or per sequence: the reward module class
+    says, ``estimator_shape``) are ones every trainer of the engine takes (``advantage_shapes`` on its module
+    class): GRPO's per-sequence advantages on the PPO trainer would fail at its first step."""
+    if "reward" not in cfg.models:
+        return []
+    reward = _module_class("reward", cfg, modules, engine)
+    given = (cfg.models["reward"].args_dict or {}).get("advantage_estimator") or spec.advantage_estimator
+    shape_of = getattr(reward, "estimator_shape", None)
+    made = shape_of(given) if shape_of is not None and isinstance(given, str) else None
+    if made is None:
+        return []  # a reward of one's own, or a name its args_schema refuses
+    shape, what = made
+    problems = []
+    for name in roles:
+        cls = _module_class(name, cfg, modules, engine)
+        takes = getattr(cls, "advantage_shapes", None)
+        if takes is not None and shape not in takes:
+            problems.append(f"models.reward.args_dict.advantage_estimator: {given!r} makes advantages {what}, but "
+                            f"models.{name} ({cls.__name__}) takes {' or '.join(takes)} advantages only; use one of "
+                            f"{reward.estimators_of_shape(tuple(takes))}")
+    return problems
+
+
+def _environment_args(cfg: ChatLearnConfig) -> list[str]:
+    """``runtime.agent.env_args`` are the environment class's constructor arguments (a key it does not take is
+    refused with the nearest one it does, a required one it lacks is named), and what the class itself says of
+    them (``args_problems(env_args)``, e.g. its tools' names against their registry). (A class that does not
+    import is ``_agent``'s to report.)"""
+    agent = cfg.runtime.agent
+    if cfg.runtime.task_type != "agent" or agent.env is None:
+        return []
+    try:
+        cls = import_object(agent.env, "Class")
+        params = inspect.signature(cls).parameters
+    except (ValueError, TypeError):
+        return []
+    pre = "runtime.agent.env_args"
+    named = [p for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    problems = []
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        takes = [p.name for p in named]
+        problems += [f"{pre}.{key}: not an argument of {cls.__name__}{did_you_mean(key, takes)} (it takes "
+                     f"{takes or 'none'})" for key in agent.env_args if key not in takes]
+    missing = [p.name for p in named if p.default is p.empty and p.name not in agent.env_args]
+    if missing:
+        problems.append(f"{pre}: {cls.__name__} needs {missing}")
+    checked = getattr(cls, "args_problems", None)
+    if callable(checked) and not problems:
+        problems += [f"{pre}.{line}" for line in checked(dict(agent.env_args))]
+    return problems
 
 
 def _packing(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
