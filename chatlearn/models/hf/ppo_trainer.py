@@ -14,7 +14,7 @@ from chatlearn.algorithms import VALUE_LOSSES, get_policy_loss, get_value_loss, 
 from chatlearn.algorithms.registry import name_problem, policy_loss_problem
 from chatlearn.data.batch import loss_mask
 from chatlearn.models.hf.common import ResponseTokens, ensure_model_files
-from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs, Trainer
+from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs, TrainerModule
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
 
 
@@ -79,7 +79,7 @@ class PPOPolicyTrainer(CausalLMTrainer):
                           if k in self.stat_keys()}
 
 
-class PPOValueTrainer(Trainer):
+class PPOValueTrainer(TrainerModule):
     """ppo_value of the RLHF engine: the registered value loss (``ppo_clip``) against the GAE returns."""
 
     args_schema = PPOValueArgs
