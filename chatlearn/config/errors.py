@@ -6,8 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from chatlearn.utils.errors import UserError
-from chatlearn.utils.names import closest_name, did_you_mean
+from chatlearn.utils.errors import UserError, closest_name, did_you_mean
 
 __all__ = ["ConfigError", "ConfigWarning", "closest_name", "did_you_mean", "problems_from_validation_error"]
 

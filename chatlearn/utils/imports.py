@@ -19,7 +19,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from chatlearn.utils.names import did_you_mean
+from chatlearn.utils.errors import did_you_mean
 
 CODE_PATH_VAR = "CHATLEARN_CODE_PATH"
 
