@@ -50,6 +50,12 @@ def problems(config: str, *overrides: str) -> list[str]:
     (GRPO, "models.ppo_policy.args_dict.loss_agg_mode=token_mean",
      "models.ppo_policy.args_dict.loss_agg_mode: unknown loss aggregation mode 'token_mean'; did you mean "
      "token-mean? (known: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean)"),
+    (DEFAULT, "models.policy.args_dict.dtype=bfloat",
+     "models.policy.args_dict.dtype: 'bfloat' is not a torch floating-point dtype; did you mean bfloat16? (one of "
+     "bfloat16, float16, float32, float64)"),
+    (GRPO, "models.ppo_policy.args_dict.old_logprobs=trainr",  # a choice of the schema's own (a Literal)
+     "models.ppo_policy.args_dict.old_logprobs: Input should be 'generation', 'trainer' or 'current'; did you mean "
+     "trainer?"),
     (AGENT, "runtime.agent.env=chatlearn.tasks.higher_lower:HigherLowr",
      "runtime.agent.env: 'chatlearn.tasks.higher_lower:HigherLowr': 'chatlearn.tasks.higher_lower' has no attribute "
      "'HigherLowr'; did you mean HigherLower?"),

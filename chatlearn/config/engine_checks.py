@@ -9,6 +9,7 @@ problem. Plain ``chatlearn config`` does not run them: it resolves any config Ch
 import contextlib
 import inspect
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -175,6 +176,8 @@ def _module_args(cfg: ChatLearnConfig, roles: list[str], modules: Mapping[str, A
             for err in exc.errors(include_url=False):
                 loc = ".".join([f"models.{name}.args_dict", *(str(x) for x in err["loc"])])
                 msg = err["msg"].removeprefix("Value error, ")
+                if err["type"] == "literal_error":  # a choice among names: the nearest one
+                    msg += did_you_mean(err["input"], re.findall(r"'([^']*)'", err["ctx"]["expected"]))
                 problems.append(f"{loc}: {msg}")
     return problems
 
