@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint docs bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak bench-precision gpu-smoke clean
+.PHONY: setup train test test-fast lint docs bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak bench-precision bench-episode-files gpu-smoke clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,11 @@ bench-scaling: setup
 # the embedded default's reward curve and episode time in bf16 against fp32, one run each (about 4 minutes)
 bench-precision: setup
 	$(BIN)/python bench/precision.py
+
+# which library files one episode of the embedded default touches, by process, and how many from flows/ to the loss
+# (issue 45's measure): 4 traced episodes, about 9 minutes here (bench/results/episode_files.json)
+bench-episode-files: setup
+	$(BIN)/python bench/episode_files.py
 
 # 200 short episodes, SIGKILLing the driver and the model process at random: recoveries, and whether the final
 # weights equal an undisturbed run's (about an hour here; not part of `bench`)

@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
                       max_num_seqs=args.slots or len(prompts))
         t = time.perf_counter()
         with torch.no_grad():
-            response, _ = ROLLOUT_ENGINES[args.engine](model, req)
+            response, _ = ROLLOUT_ENGINES[args.engine](model).generate(req)
         if i:  # the first is warm-up
             times.append(time.perf_counter() - t)
             tokens = int(response_mask_from_eos(response, tok.eos_token_id).sum())

@@ -209,7 +209,7 @@ def calibrate_on_samples(model, u, work: Workload, alpha: float, tries: int = 7,
         model.lm_head.weight[EOS] = a * u
         req = Request(ids, mask, work.new_tokens, 0, EOS, 0, do_sample=True, sample_ids=list(range(n)),
                       seed=SEED, max_num_seqs=n)
-        response, _ = ROLLOUT_ENGINES["continuous"](model, req)
+        response, _ = ROLLOUT_ENGINES["continuous"](model).generate(req)
         ended = (response == EOS).float()
         return float(torch.where(ended.any(-1), ended.argmax(-1).float(), float(work.new_tokens)).mean())
 

@@ -1,9 +1,17 @@
 """ChatLearn on Prefect + Ray: ChatLearn's models and config vocabulary, episodes as Prefect flows on Ray."""
 
 import importlib
+import sys
 from typing import Any
 
+from chatlearn import utils as _utils
+from chatlearn.config import arguments as _arguments
 from chatlearn.config.current import get_config, init
+
+# ChatLearn's own path to the config classes, `chatlearn.utils.arguments`, is chatlearn.config.arguments (utils
+# sits below the config, so the module lives with it); importing that path runs this package first
+sys.modules.setdefault("chatlearn.utils.arguments", _arguments)
+_utils.arguments = _arguments
 
 __version__ = "0.1.0"
 

@@ -255,8 +255,8 @@ def test_reward_settings_the_estimator_does_not_read_are_refused():
 
 def test_the_advantage_estimator_is_the_engines_and_an_unknown_one_is_refused():
     assert check("models.reward.args_dict.advantage_estimator=vtrace")[0] == [
-        "models.reward.args_dict.advantage_estimator: unknown advantage estimator 'vtrace'; known: ['dr_grpo', 'gae', "
-        "'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"]
+        "models.reward.args_dict.advantage_estimator: unknown advantage estimator 'vtrace' (known: dr_grpo, gae, grpo, "
+        "reinforce_pp, reinforce_pp_baseline, rloo)"]
     # the engine's own, named: accepted; another engine's whose inputs the models make: accepted too
     assert check_config("grpo", "models.reward.args_dict.advantage_estimator=grpo") == []
     assert check("models.reward.args_dict.advantage_estimator=gae")[0] == []
@@ -264,14 +264,17 @@ def test_the_advantage_estimator_is_the_engines_and_an_unknown_one_is_refused():
     assert check_config("grpo", "models.reward.args_dict.advantage_estimator=gae") == [
         "models.reward.args_dict.advantage_estimator: 'gae' reads ['values'], which no model of the grpo engine "
         "makes (the grpo engine runs 'grpo')"]
-    # the group estimator reads prompt groups: one response per prompt (the default's) makes none; and the
-    # default's GAE settings (its KL penalty, gamma, lam) would do nothing: each is named
+    # the group estimator reads prompt groups: one response per prompt (the default's) makes none; its
+    # per-sequence advantages are not the PPO trainer's; and the default's GAE settings (its KL penalty, gamma,
+    # lam) would do nothing: each is named
     problems = check("models.reward.args_dict.advantage_estimator=grpo")[0]
+    assert problems[0].startswith("models.reward.args_dict.advantage_estimator: 'grpo' makes advantages per "
+                                  "sequence [B], but models.ppo_policy (PPOPolicyTrainer) takes token advantages only")
     assert problems[-1] == (
         "models.reward.args_dict.advantage_estimator: 'grpo' reads ['group_id'], which no model of the rlhf engine "
         "makes (the rlhf engine runs 'gae')")
-    assert [p.split(":")[0] for p in problems[:-1]] == [f"models.reward.args_dict.{k}" for k in ("kl_coef", "gamma",
-                                                                                                  "lam")]
+    assert [p.split(":")[0] for p in problems[1:-1]] == [f"models.reward.args_dict.{k}" for k in ("kl_coef", "gamma",
+                                                                                                   "lam")]
 
 
 def test_an_engine_built_in_code_under_another_runtime_engine_runs_its_own_estimator(monkeypatch):

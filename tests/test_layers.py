@@ -3,17 +3,22 @@
 Layers, lowest first (a module may import its own layer and the ones below):
 
     chatlearn.utils            helpers with no project imports
-    chatlearn.config           the config: schema, loader, checks
-    algorithms, data, checkpoint, tasks, tools, envs, and chatlearn.utils.arguments (ChatLearn's path to the config)
+    chatlearn.config           the config: schema, loader, checks (and ChatLearn's path to it, which
+                               chatlearn/__init__.py registers as chatlearn.utils.arguments)
+    data, checkpoint, tools    batches and records, checkpoints, tool calls
+    algorithms, envs           the RL math over batches; multi-turn environments (which call tools)
+    chatlearn.tasks            the packaged tasks: data, rewards, environments
     chatlearn.models           ChatLearn's module API and the built-in Hugging Face modules
     chatlearn.runtime          actors, model groups, launch, plan, engines
     chatlearn                  the package's face
     flows                      Prefect flows and tasks
     chatlearn.cli              the command: it starts runs and registers the flows as deployments
 
-Inside `chatlearn.runtime` the same rule holds between its parts, lowest first (`RUNTIME_LAYERS`): what the
-engines' flows compile into, how the driver calls and waits, weight transfer, what a run records, the cluster's
-processes, the run's spec and context, the rollout strategies, and what starts and runs a run.
+Packages listed in one layer do not import each other either (a sideways import is a layer the list does not
+show). Inside `chatlearn.runtime` the same rules hold between its parts, lowest first (`RUNTIME_LAYERS`): what
+the engines' flows compile into, how the driver calls and waits, weight transfer, Prefect's room and what a run
+records, the cluster's processes, the run's spec and context, the rollout strategies, and what starts and runs
+a run.
 
 The one upward arrow allowed: `chatlearn.runtime.engine` imports `flows.train_flow` / `flows.eval_flow`
 inside `learn()` / `eval()`, because ChatLearn's API starts a run from the engine (documented there).
@@ -28,6 +33,8 @@ ported there, guided by `tests/test_private_api_pins.py`.
 import ast
 import os
 import re
+import subprocess
+import sys
 from collections import defaultdict
 
 from tests.conftest import REPO
@@ -35,8 +42,9 @@ from tests.conftest import REPO
 LAYERS = [
     ["chatlearn.utils"],
     ["chatlearn.config"],
-    ["chatlearn.utils.arguments", "chatlearn.algorithms", "chatlearn.data", "chatlearn.checkpoint", "chatlearn.tasks",
-     "chatlearn.tools", "chatlearn.envs"],
+    ["chatlearn.data", "chatlearn.checkpoint", "chatlearn.tools"],
+    ["chatlearn.algorithms", "chatlearn.envs"],
+    ["chatlearn.tasks"],
     ["chatlearn.models"],
     ["chatlearn.runtime"],
     ["chatlearn"],
@@ -44,18 +52,22 @@ LAYERS = [
     ["chatlearn.cli"],
 ]
 RUNTIME_LAYERS = [
-    ["chatlearn.runtime.compute_flow", "chatlearn.runtime.plan", "chatlearn.runtime.schedule"],
+    ["chatlearn.runtime.compute_flow"],
+    ["chatlearn.runtime.plan", "chatlearn.runtime.schedule"],
     ["chatlearn.runtime.calls"],
     ["chatlearn.runtime.weights"],
-    ["chatlearn.runtime.records", "chatlearn.runtime.prefect"],
+    # Prefect's room holds what goes beyond Prefect's public API whatever its level: the API link every record
+    # goes through sits below the records, the prevalidated flow that prepares a run near the top
+    ["chatlearn.runtime.prefect"],
+    ["chatlearn.runtime.records"],
     ["chatlearn.runtime.cluster"],
-    ["chatlearn.runtime.spec", "chatlearn.runtime.context"],
+    ["chatlearn.runtime.spec"],
+    ["chatlearn.runtime.context"],
     ["chatlearn.runtime.rollout"],
-    # Prefect's room holds what goes beyond Prefect's public API whatever its level: the prevalidated flow prepares
-    # a run (top), the API link is what every record goes through (records)
-    ["chatlearn.runtime.launch", "chatlearn.runtime.episodes", "chatlearn.runtime.engines",
-     "chatlearn.runtime.prepared", "chatlearn.runtime.engine", "chatlearn.runtime.prefect.prevalidated",
-     "chatlearn.runtime"],
+    ["chatlearn.runtime.engines"],
+    ["chatlearn.runtime.prepared"],
+    ["chatlearn.runtime.launch", "chatlearn.runtime.episodes", "chatlearn.runtime.prefect.prevalidated"],
+    ["chatlearn.runtime.engine", "chatlearn.runtime"],
 ]
 ALLOWED_UPWARD = {("chatlearn.runtime.engine", "flows.train_flow"), ("chatlearn.runtime.engine", "flows.eval_flow")}
 
@@ -93,14 +105,19 @@ def imports(path: str, known: set[str]) -> list[tuple[str, int, bool]]:
     return found
 
 
-def layer_of(module: str, layers: list[list[str]] = LAYERS) -> int:
-    best, level = -1, -1
+def place_of(module: str, layers: list[list[str]] = LAYERS) -> tuple[int, str]:
+    """The layer of ``module`` and the package of ``layers`` it belongs to (the longest prefix that matches)."""
+    best, level = "", -1
     for i, prefixes in enumerate(layers):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
-                best, level = len(prefix), i
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, level = prefix, i
     assert level >= 0, f"{module} is in no layer: add it to the layers"
-    return level
+    return level, best
+
+
+def layer_of(module: str, layers: list[list[str]] = LAYERS) -> int:
+    return place_of(module, layers)[0]
 
 
 def graph() -> dict[str, set[str]]:
@@ -119,13 +136,25 @@ def test_imports_go_down_the_layers():
     assert upward == []
 
 
+def sideways(edges: dict[str, set[str]], layers: list[list[str]] = LAYERS) -> list[tuple[str, str]]:
+    """Imports between two packages that ``layers`` lists in the same layer."""
+    return sorted((a, b) for a, targets in edges.items() for b in targets
+                  if layer_of(a, layers) == layer_of(b, layers) and place_of(a, layers)[1] != place_of(b, layers)[1])
+
+
+def test_packages_of_one_layer_do_not_import_each_other():
+    assert sideways(graph()) == []
+
+
 def test_the_runtimes_parts_import_downward_only():
     # a loop between two sub-packages is no loop of modules (test_no_import_loops cannot see it): the runtime's
     # parts have an order of their own
     runtime = {m for m in module_files() if m.startswith("chatlearn.runtime")}
-    upward = sorted((a, b) for a, targets in graph().items() if a in runtime for b in targets
-                    if b in runtime and layer_of(b, RUNTIME_LAYERS) > layer_of(a, RUNTIME_LAYERS))
+    edges = {a: {b for b in targets if b in runtime} for a, targets in graph().items() if a in runtime}
+    upward = sorted((a, b) for a, targets in edges.items() for b in targets
+                    if layer_of(b, RUNTIME_LAYERS) > layer_of(a, RUNTIME_LAYERS))
     assert upward == []
+    assert sideways(edges, RUNTIME_LAYERS) == []
 
 
 def test_the_one_upward_import_is_the_documented_one():
@@ -200,6 +229,11 @@ def test_the_layer_test_sees_a_new_upward_import(tmp_path, monkeypatch):
     found = [name for name, _, _ in imports(files["chatlearn.data.oops"], set(files))]
     assert found == ["chatlearn.runtime.cluster.launch"]
     assert layer_of("chatlearn.runtime.cluster.launch") > layer_of("chatlearn.data.oops")
+    # and a sideways one (the RL math importing an environment), not one inside a package; the batch layout
+    # (chatlearn.data.batch's loss_mask) is below the math that reads it
+    edges = {"chatlearn.algorithms.ppo": {"chatlearn.envs.base", "chatlearn.algorithms.registry"}}
+    assert sideways(edges) == [("chatlearn.algorithms.ppo", "chatlearn.envs.base")]
+    assert layer_of("chatlearn.data.batch") < layer_of("chatlearn.algorithms.ppo")
     # and inside the runtime: the driver's waits asking the cluster's head watch would be a loop of parts
     assert layer_of("chatlearn.runtime.cluster.head", RUNTIME_LAYERS) > layer_of("chatlearn.runtime.calls.waiting",
                                                                                 RUNTIME_LAYERS)
@@ -400,3 +434,15 @@ def test_the_room_test_sees_a_planted_private_use(tmp_path):
     assert _outside_its_room("chatlearn.runtime.records.reporting", "prefect")
     assert not _outside_its_room("chatlearn.runtime.prefect.task_runs", "prefect")
     assert _outside_its_room("chatlearn.runtime.prefect.task_runs", "ray")
+
+
+def test_chatlearns_path_to_the_config_imports_in_a_fresh_interpreter():
+    # chatlearn.utils.arguments has no file under utils/ (utils sits below the config): chatlearn/__init__.py
+    # registers chatlearn.config.arguments under that name, and importing the path runs it first
+    code = ("from chatlearn.utils.arguments import ModelConfig\n"
+            "import chatlearn.utils.arguments, chatlearn.config.arguments\n"
+            "from chatlearn.utils import arguments\n"
+            "print(chatlearn.utils.arguments is chatlearn.config.arguments is arguments, ModelConfig.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert (out.returncode, out.stdout.strip()) == (0, "True chatlearn.config.model"), out.stderr
+    assert not os.path.exists(os.path.join(REPO, "chatlearn", "utils", "arguments.py"))

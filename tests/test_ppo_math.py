@@ -23,7 +23,12 @@ from chatlearn.algorithms import (
 )
 from chatlearn.algorithms.advantages import gae, grpo
 from chatlearn.algorithms.aggregation import global_mean, units
-from chatlearn.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, advantage_estimator_inputs
+from chatlearn.algorithms.registry import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSS_FAMILY,
+    POLICY_LOSSES,
+    advantage_estimator_inputs,
+)
 
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-6) -> None:
@@ -373,11 +378,14 @@ def test_registry_plugin_registration_and_duplicate_rejected() -> None:
         return masked_mean(-advantages * logprobs, mask), {}
 
     try:
-        assert register_policy_loss("test_plugin_loss")(my_loss) is my_loss
+        assert register_policy_loss("test_plugin_loss", family="ppo")(my_loss) is my_loss
         assert get_policy_loss("test_plugin_loss") is my_loss
-        register_policy_loss("test_plugin_loss")(my_loss)  # same object again: harmless
+        register_policy_loss("test_plugin_loss", family="ppo")(my_loss)  # same object again: harmless
         with pytest.raises(ValueError, match="already registered"):
-            register_policy_loss("ppo_clip")(my_loss)  # would silently replace the built-in
+            register_policy_loss("ppo_clip", family="ppo")(my_loss)  # would silently replace the built-in
+        with pytest.raises(ValueError, match="unknown family 'dpo'"):
+            register_policy_loss("test_other_loss", family="dpo")  # a family no trainer calls
     finally:
         POLICY_LOSSES.pop("test_plugin_loss", None)
+        POLICY_LOSS_FAMILY.pop("test_plugin_loss", None)
     assert get_policy_loss("ppo_clip") is ppo_clipped_policy_loss

@@ -10,7 +10,14 @@ import torch
 from chatlearn.config import ConfigError, EngineChecks, load_config
 from chatlearn.models.hf.common import load_causal_lm, load_tokenizer
 from chatlearn.models.hf.policy import PolicyInference, response_mask_from_eos
-from chatlearn.models.hf.rollout import ROLLOUT_ENGINES, Request
+from chatlearn.models.hf.rollout import (
+    ROLLOUT_ENGINES,
+    HFGenerate,
+    Request,
+    RolloutEngine,
+    make_engine,
+    register_rollout_engine,
+)
 from chatlearn.tasks.max_digit import make_records
 from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
 from tests.conftest import REPO
@@ -51,8 +58,8 @@ def test_continuous_batching_draws_the_same_tokens_and_logprobs_as_one_generate(
     model, tok = biased
     req = make_request(tok, 12, do_sample=True, sample_ids=list(range(40, 52)), seed=5, max_num_seqs=slots)
     with torch.no_grad():
-        hf_ids, hf_lp = ROLLOUT_ENGINES["hf"](model, req)
-        cb_ids, cb_lp = ROLLOUT_ENGINES["continuous"](model, req)
+        hf_ids, hf_lp = ROLLOUT_ENGINES["hf"](model).generate(req)
+        cb_ids, cb_lp = ROLLOUT_ENGINES["continuous"](model).generate(req)
     hf_tokens, mask = masked(hf_ids, tok.eos_token_id)
     cb_tokens, cb_mask = masked(cb_ids, tok.eos_token_id)
     lengths = mask.sum(-1)
@@ -66,8 +73,8 @@ def test_greedy_and_min_new_tokens_are_honoured_alike(biased):
     model, tok = biased
     req = make_request(tok, 9, min_new_tokens=5, max_num_seqs=4)
     with torch.no_grad():
-        hf_ids, hf_lp = ROLLOUT_ENGINES["hf"](model, req)
-        cb_ids, cb_lp = ROLLOUT_ENGINES["continuous"](model, req)
+        hf_ids, hf_lp = ROLLOUT_ENGINES["hf"](model).generate(req)
+        cb_ids, cb_lp = ROLLOUT_ENGINES["continuous"](model).generate(req)
     assert hf_lp is None and cb_lp is None
     hf_tokens, mask = masked(hf_ids, tok.eos_token_id)
     assert torch.equal(masked(cb_ids, tok.eos_token_id)[0], hf_tokens)
@@ -107,7 +114,8 @@ def test_gpu_engines_are_known_names_refused_and_a_typo_lists_the_engines():
     assert engine_problems("runtime.rollout_engine=sglang")[0].startswith(
         "runtime.rollout_engine: 'sglang' needs a GPU build of SGLang")
     assert engine_problems("runtime.rollout_engine=contineous") == [
-        "runtime.rollout_engine: 'contineous' is not a rollout engine; one of ['continuous', 'hf']"]
+        "runtime.rollout_engine: 'contineous' is not a rollout engine; did you mean continuous? (one of "
+        "['continuous', 'hf'])"]
 
 
 def test_pipeline_stages_generate_with_hf_only():
@@ -123,6 +131,65 @@ def test_an_engine_where_no_model_generates_is_refused_not_ignored():
         "(only 'hf', the default, is accepted there)"]
 
 
+def test_an_engine_is_a_class_registered_by_name_and_the_check_asks_it(tiny_model_dir):
+    """A new engine plugs in as one registered class: the config check accepts its name and reports what its
+    `problems` says (no engine name in the check); the policy builds it and decodes with it."""
+    try:
+        @register_rollout_engine("greedy_only")
+        class GreedyOnly(HFGenerate):
+            pipeline_stages = False
+            calls = 0
+
+            @classmethod
+            def problems(cls, cfg, model):
+                temperature = (cfg.models[model].args_dict or {}).get("temperature", 1.0)
+                return super().problems(cfg, model) + ([] if temperature == 1.0 else [
+                    f"models.{model}.args_dict.temperature: {temperature}: greedy_only samples at 1.0 only"])
+
+            def generate(self, req):
+                type(self).calls += 1
+                return super().generate(req)
+
+        assert PolicyInference.rollout_engines["greedy_only"] is GreedyOnly and GreedyOnly.name == "greedy_only"
+        assert engine_problems("runtime.rollout_engine=greedy_only") == []
+        assert engine_problems("runtime.rollout_engine=greedy_only", "models.policy.args_dict.temperature=0.7") == [
+            "models.policy.args_dict.temperature: 0.7: greedy_only samples at 1.0 only"]
+        # the base class's answer: pipeline stages only for an engine that generates through them
+        assert engine_problems("runtime.rollout_engine=greedy_only", "models.policy.num_cpu=2",
+                               "models.policy.cpu_per_process=2", "models.policy.pipeline_model_parallel_size=2") == [
+            "runtime.rollout_engine: 'greedy_only' with models.policy.pipeline_model_parallel_size 2 is not "
+            "supported yet (pipeline stages generate with 'hf')"]
+        policy = PolicyInference("policy")
+        policy.bind(ModelConfig(num_cpu=1, args_dict={"model_path": tiny_model_dir, "max_new_tokens": 4}),
+                    RuntimeConfig(rollout_engine="greedy_only"), 0, seed=7)
+        policy.setup()
+        batch = policy.collate_fn(policy.build_dataset(make_records(2, seed=3)))
+        batch["sample_id"] = [1, 2]
+        policy.forward_step(batch, iteration=0)
+        assert GreedyOnly.calls == 1
+        with pytest.raises(ValueError, match="does not generate through pipeline stages"):
+            GreedyOnly(policy.model, stages=policy.model.generate)
+        with pytest.raises(ValueError, match="'greedy_only' is already registered"):
+            register_rollout_engine("greedy_only")(type("Another", (HFGenerate,), {}))
+    finally:
+        ROLLOUT_ENGINES.pop("greedy_only", None)
+
+
+def test_an_engine_refuses_a_model_it_cannot_run_naming_the_engines_that_can(tiny_model_dir, monkeypatch):
+    class NoLlama(RolloutEngine):
+        @classmethod
+        def model_problems(cls, model):
+            return [f"the {model.config.model_type} architecture"] if model.config.model_type == "llama" else []
+
+    monkeypatch.setitem(ROLLOUT_ENGINES, "no_llama", NoLlama)
+    model = load_causal_lm(tiny_model_dir)
+    assert isinstance(make_engine("continuous", model, "models.policy (tiny)"), RolloutEngine)
+    with pytest.raises(ValueError) as err:
+        make_engine("no_llama", model, "models.policy (tiny)")
+    assert str(err.value) == ("runtime.rollout_engine: 'no_llama' does not support the llama architecture of "
+                              "models.policy (tiny); use rollout_engine: continuous or hf")
+
+
 def test_slot_memory_that_held_anything_does_not_reach_the_responses(biased, monkeypatch):
     """A slot's columns past its row's length are masked, but must also hold finite numbers: memory a process
     reuses can hold NaN bit patterns, and a masked NaN still makes the row NaN. Allocations that come back
@@ -130,9 +197,9 @@ def test_slot_memory_that_held_anything_does_not_reach_the_responses(biased, mon
     model, tok = biased
     req = make_request(tok, 10, do_sample=True, sample_ids=list(range(10)), seed=3, max_num_seqs=4)
     with torch.no_grad():
-        want_ids, want_lp = ROLLOUT_ENGINES["continuous"](model, req)
+        want_ids, want_lp = ROLLOUT_ENGINES["continuous"](model).generate(req)
     real_empty = torch.Tensor.new_empty
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **k: real_empty(t, *a, **k).fill_(float("nan")))
     with torch.no_grad():
-        got_ids, got_lp = ROLLOUT_ENGINES["continuous"](model, req)
+        got_ids, got_lp = ROLLOUT_ENGINES["continuous"](model).generate(req)
     assert torch.equal(got_ids, want_ids) and torch.equal(got_lp, want_lp)

@@ -100,14 +100,25 @@ def test_a_row_becomes_scalars_and_the_config_dotted_params():
     assert len(flat_params({"k": "x" * 9000})["k"]) == 6000  # MLflow's longest parameter value
 
 
+def test_every_tracker_flag_names_a_registered_tracker():
+    from chatlearn.config.runtime import LogArgsConfig
+    from chatlearn.runtime.records.trackers import TRACKERS
+
+    flags = [f.removeprefix("enable_") for f in LogArgsConfig.model_fields if f.startswith("enable_")]
+    assert sorted(flags) == sorted(TRACKERS) == ["mlflow", "tensorboard", "wandb"]
+    assert LogArgsConfig(enable_mlflow=True, enable_wandb=True).enabled == ["wandb", "mlflow"]
+
+
 def test_the_log_section_is_checked_and_free_to_change(tmp_path):
     from chatlearn.checkpoint.run_config import FREE_FIELDS
     from chatlearn.config.errors import ConfigError
 
     cfg = tracker_config(tmp_path)
     assert cfg.runtime.log_args_dict.enabled == ["tensorboard"]
-    with pytest.raises(ConfigError, match="enable_tensorbord"):
+    with pytest.raises(ConfigError) as err:
         load_config(None, ["runtime.log_args_dict.enable_tensorbord=true"])
+    assert err.value.problems == ["runtime.log_args_dict.enable_tensorbord: unknown key, not defined in "
+                                  "LogArgsConfig; did you mean enable_tensorboard?"]
     with pytest.raises(ConfigError, match="wandb_resume"):
         load_config(None, ["runtime.log_args_dict.wandb_resume=sometimes"])
     assert "runtime.log_args_dict.*" in FREE_FIELDS  # turning a tracker on is no change to what a run trains

@@ -87,3 +87,17 @@ def test_import_errors_say_where_they_looked(tmp_path, monkeypatch, clean_import
         import_callable("json.py:dumps")
     with pytest.raises(ValueError, match="not of the form module:attribute"):
         import_callable("a:b:c")
+
+
+def test_a_misspelt_name_gets_the_nearest_one():
+    with pytest.raises(ValueError) as err:
+        import_object("chatlearn.tasks.max_digit:max_digit_rewrd")
+    assert str(err.value) == ("'chatlearn.tasks.max_digit:max_digit_rewrd': 'chatlearn.tasks.max_digit' has no "
+                              "attribute 'max_digit_rewrd'; did you mean max_digit_reward?")
+    with pytest.raises(ValueError) as err:
+        import_object("chatlearn.tasks.higher_lowr:HigherLower")
+    assert str(err.value).endswith("No module named 'chatlearn.tasks.higher_lowr'; did you mean "
+                                   "chatlearn.tasks.higher_lower?")
+    with pytest.raises(ValueError) as err:  # nothing near: no guess
+        import_object("chatlearn.tasks.max_digit:zzz")
+    assert str(err.value) == "'chatlearn.tasks.max_digit:zzz': 'chatlearn.tasks.max_digit' has no attribute 'zzz'"

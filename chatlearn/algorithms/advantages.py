@@ -7,7 +7,9 @@ One contract for every algorithm, ``fn(batch, args) -> dict``, registered by nam
   the fields the estimator declares as its inputs (a batch without them is an error naming them);
 * ``args``: the reward's experience settings (``kl_coef``, ``kl_estimator``, ``gamma``, ``lam``; each
   estimator declares the ones it reads, and a setting given to one that does not read it is a config error);
-* returns the fields it adds to the experience, ``advantages`` among them.
+* returns the fields it adds to the experience, ``advantages`` among them: per response token ``[B, T]`` or
+  per sequence ``[B]`` (the ``shape`` it registers with; a trainer takes the shapes it declares, so GRPO's
+  per-sequence advantages are refused for the PPO trainer by the config check).
 
 The built-ins (``models.reward.args_dict.advantage_estimator``; default the engine's,
 :data:`chatlearn.config.engines.ENGINES`, so the choice is never guessed from which keys a batch carries):
@@ -80,7 +82,7 @@ def _leave_one_out(grouped: torch.Tensor) -> torch.Tensor:
     return _zero_where_constant(grouped, grouped - others)
 
 
-@register_advantage_estimator("gae", inputs=("logprobs", "ref_logprobs", "values", "response_mask"),
+@register_advantage_estimator("gae", shape="token", inputs=("logprobs", "ref_logprobs", "values", "response_mask"),
                               settings=("kl_coef", "kl_estimator", "gamma", "lam"))
 def gae(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     """PPO's experience: per-token rewards (the score at the last token, a KL penalty to the reference on
@@ -101,7 +103,7 @@ def gae(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     return {"rewards": rewards, "kl": kl, "advantages": adv, "returns": ret}
 
 
-@register_advantage_estimator("grpo", inputs=("group_id",))
+@register_advantage_estimator("grpo", shape="sequence", inputs=("group_id",))
 def grpo(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     """GRPO's experience: no critic, each response judged against the other responses to its prompt
     (``advantages`` ``[B]``, ``(r - mean) / (std + 1e-5)`` per group, population std as ChatLearn). With the
@@ -110,13 +112,13 @@ def grpo(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     return {"advantages": group_advantages_by_id(batch["scores"], batch["group_id"]), **_reported_kl(batch)}
 
 
-@register_advantage_estimator("dr_grpo", inputs=("group_id",))
+@register_advantage_estimator("dr_grpo", shape="sequence", inputs=("group_id",))
 def dr_grpo(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     """Dr.GRPO's (GRPO without the std): ``r - mean`` of the prompt's group, ``[B]``; ``kl`` as ``grpo``."""
     return {"advantages": by_group(batch["scores"], batch["group_id"], _centred), **_reported_kl(batch)}
 
 
-@register_advantage_estimator("rloo", inputs=("group_id",))
+@register_advantage_estimator("rloo", shape="sequence", inputs=("group_id",))
 def rloo(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     """RLOO's: each response's score minus the mean of the other responses to its prompt, ``[B]`` (equal to
     ``n / (n - 1) * (r - mean)``); ``kl`` as ``grpo``."""
@@ -137,8 +139,8 @@ def _reinforce(batch: dict[str, Any], args: Any, scores: torch.Tensor, name: str
     return out
 
 
-@register_advantage_estimator("reinforce_pp", inputs=("response_mask",), settings=("kl_coef", "kl_estimator", "gamma"),
-                              whiten=True)
+@register_advantage_estimator("reinforce_pp", shape="token", inputs=("response_mask",),
+                              settings=("kl_coef", "kl_estimator", "gamma"), whiten=True)
 def reinforce_pp(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     """REINFORCE++'s: per-token rewards (the score at the last token, ``-kl_coef`` times the KL estimate on
     every token; no penalty when ``kl_coef`` is 0, the default), their discounted returns (``gamma``) as the
@@ -146,7 +148,7 @@ def reinforce_pp(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     return _reinforce(batch, args, batch["scores"], "reinforce_pp")
 
 
-@register_advantage_estimator("reinforce_pp_baseline", inputs=("group_id", "response_mask"),
+@register_advantage_estimator("reinforce_pp_baseline", shape="token", inputs=("group_id", "response_mask"),
                               settings=("kl_coef", "kl_estimator", "gamma"), whiten=True)
 def reinforce_pp_baseline(batch: dict[str, Any], args: Any) -> dict[str, torch.Tensor]:
     """REINFORCE++-baseline's: ``reinforce_pp`` on the scores minus their prompt group's mean (its baseline)."""

@@ -22,9 +22,11 @@ from typing import NamedTuple
 
 import torch
 
+from chatlearn.algorithms.registry import name_problem
 from chatlearn.data.batch import loss_mask
 
-__all__ = ["LOSS_AGGREGATIONS", "POLICY_LOSS_AGGREGATIONS", "GlobalMean", "aggregate_loss", "global_mean", "units"]
+__all__ = ["LOSS_AGGREGATIONS", "POLICY_LOSS_AGGREGATIONS", "GlobalMean", "aggregate_loss", "global_mean",
+           "policy_aggregation_problem", "units"]
 
 
 def _response_tokens(mb: dict) -> float:
@@ -49,8 +51,16 @@ LOSS_AGGREGATIONS: dict[str, Callable[[dict], float]] = {
     "seq-mean-token-sum-norm": _answered,
 }
 
-# the modes a token-level policy loss may be aggregated with (aggregate_loss)
+# the modes a token-level policy loss may be aggregated with (aggregate_loss); the others count a trainer's own units
 POLICY_LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def policy_aggregation_problem(mode: str) -> str | None:
+    """Why ``mode`` cannot aggregate a per-token policy loss (``loss_agg_mode``), as one line; None if it can."""
+    if mode in LOSS_AGGREGATIONS and mode not in POLICY_LOSS_AGGREGATIONS:
+        return (f"{mode!r} counts a trainer's own units, not a per-token policy loss's; one of "
+                f"{', '.join(POLICY_LOSS_AGGREGATIONS)}")
+    return name_problem("loss aggregation mode", mode, POLICY_LOSS_AGGREGATIONS)
 
 
 class GlobalMean(NamedTuple):

@@ -205,7 +205,7 @@ def _clipped_pg_loss(
     return loss, stats
 
 
-@register_policy_loss("grpo")
+@register_policy_loss("grpo", family="grpo")
 def grpo_token_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -293,7 +293,7 @@ def grpo_token_loss(
     )
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", family="grpo")
 def gspo_sequence_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -354,7 +354,7 @@ def gspo_sequence_loss(
     )
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", family="grpo")
 def cispo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -288,7 +288,7 @@ def gae_advantages_and_returns(
 # --------------------------------------------------------------------------------------
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss("ppo_clip", family="ppo")
 def ppo_clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

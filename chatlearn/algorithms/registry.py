@@ -18,10 +18,17 @@ loss and a value loss, and because each kind has its own call contract:
 * rollout correction: ``fn(proximal_logprobs, behaviour_logprobs, mask, *, cap) -> (weights, stats)``, the
   per-token importance weights of samples another policy generated (see :mod:`chatlearn.algorithms.off_policy`)
 * KL estimator: ``fn(logprobs, ref_logprobs) -> [B, T]`` (see :mod:`chatlearn.algorithms.kl`)
+
+A policy loss also declares its family (``POLICY_LOSS_FAMILIES``): the keyword arguments a trainer passes it besides
+those four tensors, so it runs on the trainers of its family only. A trainer's ``args_schema`` names the family it
+takes, and the config check refuses any other loss before anything starts (:func:`name_problem`,
+:func:`policy_loss_problem`): every name a config gives is checked here, against the registry, not a list.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
+
+from chatlearn.config.errors import did_you_mean
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,6 +37,14 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {}
 # the config checks refuse an estimator whose inputs no model of the engine makes
 ADVANTAGE_ESTIMATOR_INPUTS: dict[str, tuple[str, ...]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
+# what each family of policy losses is called with besides (logprobs, old_logprobs, advantages, mask): a trainer
+# passes exactly these, so a loss of another family fails on its first step
+POLICY_LOSS_FAMILIES: dict[str, str] = {
+    "ppo": "the PPO trainer's cliprange and clip_ratio_c (verl's dual clip)",
+    "grpo": "the GRPO trainer's clip ratios (pos/neg/diff/final), loss_agg_mode with the global batch's units, and "
+            "the rollout correction's token weights",
+}
+POLICY_LOSS_FAMILY: dict[str, str] = {}  # loss name -> its family
 VALUE_LOSSES: dict[str, Callable[..., Any]] = {}
 ROLLOUT_CORRECTIONS: dict[str, Callable[..., Any]] = {}
 KL_ESTIMATORS: dict[str, Callable[..., Any]] = {}
@@ -38,6 +53,10 @@ KL_ESTIMATORS: dict[str, Callable[..., Any]] = {}
 ADVANTAGE_ESTIMATOR_SETTINGS: dict[str, tuple[str, ...]] = {}
 # the estimators whose advantages the trainer whitens over each global batch (REINFORCE++)
 WHITENED_ESTIMATORS: set[str] = set()
+# the advantages each estimator makes: one per response token ([B, T]) or one per sequence ([B], a group's);
+# a trainer says which it takes (``advantage_shapes`` on its module class), and the config check matches them
+ADVANTAGE_SHAPES = {"token": "per response token [B, T]", "sequence": "per sequence [B]"}
+ADVANTAGE_ESTIMATOR_SHAPE: dict[str, str] = {}
 
 
 def _register(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
@@ -71,16 +90,19 @@ def _get(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Calla
         raise KeyError(f"Unknown {kind} {name!r}; known: {sorted(registry)}") from None
 
 
-def register_advantage_estimator(name: str, inputs: tuple[str, ...] = (), settings: tuple[str, ...] = (),
-                                 whiten: bool = False) -> Callable[[F], F]:
+def register_advantage_estimator(name: str, *, shape: str, inputs: tuple[str, ...] = (),
+                                 settings: tuple[str, ...] = (), whiten: bool = False) -> Callable[[F], F]:
     """Decorator: register an advantage estimator ``fn(batch, args) -> dict`` that reads ``inputs`` (batch
     fields besides ``scores``; with a reward KL penalty also ``logprobs`` and ``ref_logprobs``) and the reward's
-    ``settings``, and returns the fields it adds, ``advantages`` among them; ``whiten``: the trainer whitens its
-    advantages over each global batch."""
+    ``settings``, and returns the fields it adds, ``advantages`` among them, of ``shape`` (a key of
+    ``ADVANTAGE_SHAPES``); ``whiten``: the trainer whitens its advantages over each global batch."""
+    if shape not in ADVANTAGE_SHAPES:
+        raise ValueError(f"advantage estimator {name!r}: unknown shape {shape!r}; known: {sorted(ADVANTAGE_SHAPES)}")
     register = _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
     def decorator(fn: F) -> F:
         register(fn)
+        ADVANTAGE_ESTIMATOR_SHAPE[name] = shape
         ADVANTAGE_ESTIMATOR_INPUTS[name] = tuple(inputs)
         ADVANTAGE_ESTIMATOR_SETTINGS[name] = tuple(settings)
         if whiten:
@@ -90,9 +112,19 @@ def register_advantage_estimator(name: str, inputs: tuple[str, ...] = (), settin
     return decorator
 
 
-def register_policy_loss(name: str) -> Callable[[F], F]:
-    """Decorator: register a policy loss returning ``(loss scalar, stats dict[str, float])``."""
-    return _register(POLICY_LOSSES, "policy loss", name)
+def register_policy_loss(name: str, family: str) -> Callable[[F], F]:
+    """Decorator: register a policy loss of ``family`` (a key of ``POLICY_LOSS_FAMILIES``: what its trainer calls
+    it with) returning ``(loss scalar, stats dict[str, float])``."""
+    if family not in POLICY_LOSS_FAMILIES:
+        raise ValueError(f"policy loss {name!r}: unknown family {family!r}; known: {sorted(POLICY_LOSS_FAMILIES)}")
+    register = _register(POLICY_LOSSES, "policy loss", name)
+
+    def decorator(fn: F) -> F:
+        register(fn)
+        POLICY_LOSS_FAMILY[name] = family
+        return fn
+
+    return decorator
 
 
 def register_value_loss(name: str) -> Callable[[F], F]:
@@ -115,6 +147,12 @@ def advantage_estimator_settings(name: str) -> tuple[str, ...]:
     """The reward settings the estimator registered as ``name`` reads (``ADVANTAGE_ESTIMATOR_SETTINGS``)."""
     get_advantage_estimator(name)
     return ADVANTAGE_ESTIMATOR_SETTINGS.get(name, ())
+
+
+def advantage_estimator_shape(name: str) -> str:
+    """The advantages the estimator registered as ``name`` makes: ``token`` or ``sequence`` (``ADVANTAGE_SHAPES``)."""
+    get_advantage_estimator(name)
+    return ADVANTAGE_ESTIMATOR_SHAPE[name]
 
 
 def get_policy_loss(name: str) -> Callable[..., Any]:
@@ -145,3 +183,26 @@ def register_kl_estimator(name: str) -> Callable[[F], F]:
 def get_kl_estimator(name: str) -> Callable[..., Any]:
     """Return the KL estimator registered as ``name``; ``KeyError`` lists the known names."""
     return _get(KL_ESTIMATORS, "KL estimator", name)
+
+
+def name_problem(kind: str, name: Any, known: Iterable[str]) -> str | None:
+    """Why ``name`` is not one of the ``known`` names of ``kind`` (a registry's keys), as one line with the
+    nearest known name; None when it is one. The config check's message for every registered piece."""
+    known = sorted(known)
+    if isinstance(name, str) and name in known:
+        return None
+    return f"unknown {kind} {name!r}{did_you_mean(name, known)} (known: {', '.join(known)})"
+
+
+def policy_loss_problem(name: Any, family: str, trainer: str) -> str | None:
+    """Why the policy loss ``name`` cannot run on ``trainer``, which calls losses of ``family``: unknown, or of
+    another family (naming what that family is called with); None when it can."""
+    of_family = [n for n, f in POLICY_LOSS_FAMILY.items() if f == family]
+    problem = name_problem("policy loss", name, POLICY_LOSSES)
+    if problem is not None:
+        return problem
+    if POLICY_LOSS_FAMILY[name] != family:
+        other = POLICY_LOSS_FAMILY[name]
+        return (f"{name!r} is a {other}-family policy loss (called with {POLICY_LOSS_FAMILIES[other]}), but "
+                f"{trainer} calls {family}-family losses: {', '.join(sorted(of_family))}")
+    return None

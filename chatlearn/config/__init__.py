@@ -9,7 +9,8 @@
 * :mod:`~chatlearn.config.engine_checks`, :mod:`~chatlearn.config.engines`, :mod:`~chatlearn.config.support`:
   what an engine needs, passed to :func:`load_config` as explicit ``checks``.
 
-``chatlearn.utils.arguments`` re-exports the schema under ChatLearn's own module path.
+:mod:`~chatlearn.config.arguments` re-exports the schema under ChatLearn's own module path,
+``chatlearn.utils.arguments``.
 """
 
 from chatlearn.config.engine_checks import EngineChecks

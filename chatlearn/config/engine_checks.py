@@ -9,6 +9,7 @@ problem. Plain ``chatlearn config`` does not run them: it resolves any config Ch
 import contextlib
 import inspect
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -76,6 +77,8 @@ class EngineChecks:
         problems += _packing(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _old_logprobs(cfg, name)
         problems += _rollout_engine(cfg, [r for r in roles if r in cfg.models], self.modules, name)
+        problems += _advantage_shape(cfg, name, spec, roles, self.modules)
+        problems += _environment_args(cfg)
         problems += _reward_settings(cfg, name, spec, self.modules)
         problems += _advantage_estimator(cfg, name, spec, self.modules)
         problems += _sync_frequency(cfg, spec)
@@ -173,6 +176,8 @@ def _module_args(cfg: ChatLearnConfig, roles: list[str], modules: Mapping[str, A
             for err in exc.errors(include_url=False):
                 loc = ".".join([f"models.{name}.args_dict", *(str(x) for x in err["loc"])])
                 msg = err["msg"].removeprefix("Value error, ")
+                if err["type"] == "literal_error":  # a choice among names: the nearest one
+                    msg += did_you_mean(err["input"], re.findall(r"'([^']*)'", err["ctx"]["expected"]))
                 problems.append(f"{loc}: {msg}")
     return problems
 
@@ -490,28 +495,79 @@ def _lora(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], en
 
 def _rollout_engine(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any], engine: str) -> list[str]:
     """``runtime.rollout_engine`` names an engine of the generating modules' registry (a module class with
-    ``rollout_engines``: the built-in policy's is ``chatlearn.models.hf.rollout.ROLLOUT_ENGINES``); the GPU
-    engines' names are known and refused; a value no model of the run uses is refused, not ignored."""
-    name = cfg.runtime.rollout_engine
+    ``rollout_engines``, name -> engine class: the built-in policy's is
+    ``chatlearn.models.hf.rollout.ROLLOUT_ENGINES``), and the engine class says what it cannot run (its
+    ``problems(cfg, model)``: pipeline stages, a name only registered to be refused); a value no model of the
+    run uses is refused, not ignored."""
+    name, default = cfg.runtime.rollout_engine, type(cfg.runtime).model_fields["rollout_engine"].default
     users = [(m, cls) for m in names
              if (cls := _module_class(m, cfg, modules, engine)) is not None and hasattr(cls, "rollout_engines")]
     if not users:
-        return [] if name == "hf" else [
+        return [] if name == default else [
             f"runtime.rollout_engine: {name!r}, but no model of the {engine!r} engine generates with a rollout "
-            "engine (only 'hf', the default, is accepted there)"]
-    problems = []
+            f"engine (only {default!r}, the default, is accepted there)"]
+    problems: list[str] = []
     for model, cls in users:
-        known = sorted(cls.rollout_engines)
-        gpu_only = getattr(cls, "gpu_only_rollout_engines", {})
-        if name in gpu_only:
-            return [f"runtime.rollout_engine: {name!r} needs a GPU build of {gpu_only[name]} and is not supported "
-                    f"yet; use one of {known}"]
-        if name not in cls.rollout_engines:
-            return [f"runtime.rollout_engine: {name!r} is not a rollout engine; one of {known}"]
-        pp = cfg.models[model].pipeline_model_parallel_size or 1
-        if name != "hf" and pp > 1:
-            problems.append(f"runtime.rollout_engine: {name!r} with models.{model}.pipeline_model_parallel_size "
-                            f"{pp} is not supported yet (pipeline stages generate with 'hf')")
+        registry = cls.rollout_engines
+        if name not in registry:
+            known = sorted(n for n, e in registry.items() if getattr(e, "implemented", True))
+            return [f"runtime.rollout_engine: {name!r} is not a rollout engine{did_you_mean(name, registry)} (one "
+                    f"of {known})"]
+        problems += registry[name].problems(cfg, model)
+    return list(dict.fromkeys(problems))
+
+
+def _advantage_shape(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, roles: list[str],
+                     modules: Mapping[str, Any]) -> list[str]:
+    """The advantages the reward's estimator makes (per response token or per sequence: the reward module class
+    says, ``estimator_shape``) are ones every trainer of the engine takes (``advantage_shapes`` on its module
+    class): GRPO's per-sequence advantages on the PPO trainer would fail at its first step."""
+    if "reward" not in cfg.models:
+        return []
+    reward = _module_class("reward", cfg, modules, engine)
+    given = (cfg.models["reward"].args_dict or {}).get("advantage_estimator") or spec.advantage_estimator
+    shape_of = getattr(reward, "estimator_shape", None)
+    made = shape_of(given) if shape_of is not None and isinstance(given, str) else None
+    if made is None:
+        return []  # a reward of one's own, or a name its args_schema refuses
+    shape, what = made
+    problems = []
+    for name in roles:
+        cls = _module_class(name, cfg, modules, engine)
+        takes = getattr(cls, "advantage_shapes", None)
+        if takes is not None and shape not in takes:
+            problems.append(f"models.reward.args_dict.advantage_estimator: {given!r} makes advantages {what}, but "
+                            f"models.{name} ({cls.__name__}) takes {' or '.join(takes)} advantages only; use one of "
+                            f"{reward.estimators_of_shape(tuple(takes))}")
+    return problems
+
+
+def _environment_args(cfg: ChatLearnConfig) -> list[str]:
+    """``runtime.agent.env_args`` are the environment class's constructor arguments (a key it does not take is
+    refused with the nearest one it does, a required one it lacks is named), and what the class itself says of
+    them (``args_problems(env_args)``, e.g. its tools' names against their registry). (A class that does not
+    import is ``_agent``'s to report.)"""
+    agent = cfg.runtime.agent
+    if cfg.runtime.task_type != "agent" or agent.env is None:
+        return []
+    try:
+        cls = import_object(agent.env, "Class")
+        params = inspect.signature(cls).parameters
+    except (ValueError, TypeError):
+        return []
+    pre = "runtime.agent.env_args"
+    named = [p for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    problems = []
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        takes = [p.name for p in named]
+        problems += [f"{pre}.{key}: not an argument of {cls.__name__}{did_you_mean(key, takes)} (it takes "
+                     f"{takes or 'none'})" for key in agent.env_args if key not in takes]
+    missing = [p.name for p in named if p.default is p.empty and p.name not in agent.env_args]
+    if missing:
+        problems.append(f"{pre}: {cls.__name__} needs {missing}")
+    checked = getattr(cls, "args_problems", None)
+    if callable(checked) and not problems:
+        problems += [f"{pre}.{line}" for line in checked(dict(agent.env_args))]
     return problems
 
 

@@ -1,19 +1,14 @@
 """How config problems are reported: one error listing every problem as ``"dotted.path: message"``."""
 
-import difflib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from chatlearn.utils.errors import UserError
+from chatlearn.utils.errors import UserError, closest_name, did_you_mean
 
 __all__ = ["ConfigError", "ConfigWarning", "closest_name", "did_you_mean", "problems_from_validation_error"]
-
-# How alike a misspelt key and a known name must be (difflib's ratio) for "did you mean X?": low enough for a
-# dropped or swapped letter (num_episodes, temprature: 0.95), high enough that an unrelated key gets no guess.
-SUGGEST_CUTOFF = 0.7
 
 
 class ConfigError(UserError, ValueError):
@@ -43,21 +38,6 @@ class ConfigWarning(UserWarning):
 def _one_line(problem: str) -> str:
     """One printable line: line breaks folded, text that is not UTF-8 (a lone surrogate) escaped."""
     return re.sub(r"\s*\n\s*", " ", problem.strip()).encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def closest_name(key: Any, known: Iterable[Any], cutoff: float = SUGGEST_CUTOFF) -> str | None:
-    """The known name nearest to a misspelt ``key`` (None when nothing is close, or ``key`` is not text)."""
-    if not isinstance(key, str) or not key:
-        return None
-    names = [k for k in known if isinstance(k, str) and k != key]
-    matches = difflib.get_close_matches(key, names, n=1, cutoff=cutoff)
-    return matches[0] if matches else None
-
-
-def did_you_mean(key: Any, known: Iterable[Any], cutoff: float = SUGGEST_CUTOFF) -> str:
-    """``"; did you mean X?"`` for the known name nearest to ``key``, else ``""`` (appended to a message)."""
-    match = closest_name(key, known, cutoff)
-    return f"; did you mean {match}?" if match else ""
 
 
 # Union members add their type to an error's location ("data_path.str"): recognised so they can be dropped.

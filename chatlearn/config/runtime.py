@@ -130,8 +130,10 @@ class LogArgsConfig(Section):
 
     @property
     def enabled(self) -> list[str]:
-        """The trackers this config turns on, by name."""
-        return [name for name in ("tensorboard", "wandb", "mlflow") if getattr(self, f"enable_{name}")]
+        """The trackers this config turns on, by name: each ``enable_<name>`` field names a tracker of
+        ``chatlearn.runtime.records.trackers.TRACKERS`` (its tests keep the two in step)."""
+        return [f.removeprefix("enable_") for f in type(self).model_fields
+                if f.startswith("enable_") and getattr(self, f)]
 
 
 class RuntimeEnvConfig(Section):

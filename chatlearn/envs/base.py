@@ -33,7 +33,15 @@ class Environment:
     ``step(action)`` gets the text of the policy's answer this turn (decoded, special tokens left out) and returns
     ``(observation, reward, done, info)``: the observation is shown to the policy as the next tool turn (ignored
     once done); the rewards of all turns are summed into the sample's ``env_reward``; ``info`` is a dict whose
-    optional int keys ``tool_calls`` and ``tool_errors`` the runtime counts."""
+    optional int keys ``tool_calls`` and ``tool_errors`` the runtime counts.
+
+    ``args_problems(env_args)`` (a classmethod, optional too) says what is wrong with the constructor's arguments
+    before anything starts, one ``"key: message"`` line each (a name checked against its registry, say); the
+    config check calls it besides matching ``runtime.agent.env_args`` to the constructor's parameters."""
+
+    @classmethod
+    def args_problems(cls, env_args: dict[str, Any]) -> list[str]:
+        return []
 
     def reset(self, sample: dict[str, Any]) -> str | None:
         return None

@@ -18,6 +18,17 @@ __all__ = ["GymTextEnv"]
 class GymTextEnv(Environment):
     """Wraps the environment ``factory(**kwargs)`` makes (``package.module:callable``, e.g. a class)."""
 
+    @classmethod
+    def args_problems(cls, env_args: dict[str, Any]) -> list[str]:
+        factory = env_args.get("factory")
+        if factory is None:
+            return []  # the config check names the missing argument
+        try:
+            make = import_object(factory, "callable")
+        except ValueError as exc:
+            return [f"factory: {exc}"]
+        return [] if callable(make) else [f"factory: {factory} is not callable"]
+
     def __init__(self, factory: str, kwargs: dict[str, Any] | None = None) -> None:
         make = import_object(factory, "callable")
         if not callable(make):

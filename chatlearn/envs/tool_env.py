@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from chatlearn.config.errors import did_you_mean
 from chatlearn.envs.base import Environment
 from chatlearn.tools.calls import CallError, parse_tool_calls, render_tool_response
 from chatlearn.tools.registry import ToolRegistry, calculator_tool, python_tool
@@ -28,13 +29,23 @@ class ToolEnvironment(Environment):
 
     def __init__(self, tools: list[str] | None = None) -> None:
         names = ["calculator"] if tools is None else list(tools)
-        unknown = [n for n in names if n not in TOOLS]
-        if unknown or not names:
-            raise ValueError(f"unknown tools {unknown}; known: {sorted(TOOLS)}" if unknown else
-                             f"a tool environment needs at least one tool; known: {sorted(TOOLS)}")
+        if problems := self.tool_problems(names):
+            raise ValueError(problems[0])
         self.registry = ToolRegistry([TOOLS[n]() for n in names])
         self.sample: dict[str, Any] = {}
         self.calls = self.errors = self.succeeded = 0
+
+    @staticmethod
+    def tool_problems(names: Any) -> list[str]:
+        """What is wrong with the tools ``names`` (``env_args.tools``): each unknown one, with the nearest known."""
+        if not isinstance(names, list | tuple) or not names:
+            return [f"tools: a tool environment needs a list of one tool or more; known: {', '.join(sorted(TOOLS))}"]
+        return [f"tools: unknown tool {n!r}{did_you_mean(n, TOOLS)} (known: {', '.join(sorted(TOOLS))})"
+                for n in names if n not in TOOLS]
+
+    @classmethod
+    def args_problems(cls, env_args: dict[str, Any]) -> list[str]:
+        return cls.tool_problems(env_args["tools"]) if "tools" in env_args else []
 
     def reset(self, sample: dict[str, Any]) -> None:
         self.sample = sample

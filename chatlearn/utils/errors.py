@@ -9,8 +9,13 @@ process lost more often than the retries allow, a run directory that holds anoth
 (episode, stage, model, sample, hook, path) and what; the traceback, when there is one, goes to the run's log
 file, not to the terminal. The CLI prints ``chatlearn: error: <message>`` and exits 1 (2 for what was refused
 before anything started: a config, data, a placement).
+
+A name the user misspelt (a config key, a registered piece, an import path) gets the nearest known one:
+`did_you_mean`.
 """
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -73,3 +78,23 @@ def find_run_error(exc: BaseException | None) -> RunError | None:
     """The RunError inside ``exc`` (see `find_user_error`)."""
     found = find_user_error(exc, RunError)
     return found if isinstance(found, RunError) else None
+
+
+# How alike a misspelt key and a known name must be (difflib's ratio) for "did you mean X?": low enough for a
+# dropped or swapped letter (num_episodes, temprature: 0.95), high enough that an unrelated key gets no guess.
+SUGGEST_CUTOFF = 0.7
+
+
+def closest_name(key: Any, known: Iterable[Any], cutoff: float = SUGGEST_CUTOFF) -> str | None:
+    """The known name nearest to a misspelt ``key`` (None when nothing is close, or ``key`` is not text)."""
+    if not isinstance(key, str) or not key:
+        return None
+    names = [k for k in known if isinstance(k, str) and k != key]
+    matches = difflib.get_close_matches(key, names, n=1, cutoff=cutoff)
+    return matches[0] if matches else None
+
+
+def did_you_mean(key: Any, known: Iterable[Any], cutoff: float = SUGGEST_CUTOFF) -> str:
+    """``"; did you mean X?"`` for the known name nearest to ``key``, else ``""`` (appended to a message)."""
+    match = closest_name(key, known, cutoff)
+    return f"; did you mean {match}?" if match else ""

@@ -13,10 +13,13 @@ so objects defined there pickle by reference to the Ray workers, which have the 
 import importlib
 import importlib.util
 import os
+import pkgutil
 import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from chatlearn.utils.errors import did_you_mean
 
 CODE_PATH_VAR = "CHATLEARN_CODE_PATH"
 
@@ -124,13 +127,30 @@ def import_object(spec: str, what: str = "name") -> Any:
     try:
         obj: Any = _import_file(module_part) if is_file_form(module_part) else _import_module(module_part)
     except Exception as exc:
-        raise ValueError(f"{spec!r}: cannot import module {module_part!r}: {exc}") from exc
+        hint = _sibling_hint(module_part) if isinstance(exc, ModuleNotFoundError) and exc.name == module_part else ""
+        raise ValueError(f"{spec!r}: cannot import module {module_part!r}: {exc}{hint}") from exc
     for attr in attr_path.split("."):
         try:
             obj = getattr(obj, attr)
         except AttributeError as exc:
-            raise ValueError(f"{spec!r}: {module_part!r} has no attribute {attr_path!r}") from exc
+            public = [a for a in dir(obj) if not a.startswith("_")]
+            raise ValueError(f"{spec!r}: {module_part!r} has no attribute {attr_path!r}"
+                             f"{did_you_mean(attr, public)}") from exc
     return obj
+
+
+def _sibling_hint(name: str) -> str:
+    """``"; did you mean package.other?"`` for a dotted module not found, from the modules of its package."""
+    parent, _, last = name.rpartition(".")
+    try:
+        package = importlib.import_module(parent) if parent else None
+    except Exception:  # noqa: BLE001 - only a hint: the error being reported is the missing module
+        return ""
+    paths = getattr(package, "__path__", None)
+    if paths is None:
+        return ""
+    hint = did_you_mean(last, [m.name for m in pkgutil.iter_modules(paths)])
+    return hint.replace(" mean ", f" mean {parent}.", 1) if hint else ""
 
 
 def import_callable(spec: str, what: str = "function") -> Callable[..., Any]:

@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chatlearn.algorithms import logprobs_from_logits
 from chatlearn.algorithms.grpo import entropy_from_logits
 from chatlearn.config import ModelConfig
+from chatlearn.config.errors import did_you_mean
 from chatlearn.models.hf.packing import Packed, pack, row_chunks, rows, use_packed_attention
 from chatlearn.models.hf.tiny import TinyModelSpec, ensure_tiny_model
 from chatlearn.models.precision import autocast_bf16
@@ -48,6 +49,17 @@ class HFModelArgs(BaseModel):
         False, description="bf16 mixed precision (ChatLearn's field): a trainer keeps fp32 weights and optimizer "
         "state and runs its decoder layers and LM head in bf16 (autocast), with log-probs, KL and losses in fp32; "
         "an inference model holds bf16 weights, and the sync sends it bf16 (chatlearn.models.precision)")
+
+    @field_validator("dtype")
+    @classmethod
+    def _torch_float(cls, name: str) -> str:
+        # checked with the config: the model loads it as getattr(torch, dtype) in its actor's setup
+        found = getattr(torch, name, None) if isinstance(name, str) else None
+        if not (isinstance(found, torch.dtype) and found.is_floating_point):
+            known = ("bfloat16", "float16", "float32", "float64")
+            raise ValueError(f"{name!r} is not a torch floating-point dtype{did_you_mean(name, known)} (one of "
+                             f"{', '.join(known)})")
+        return name
 
     @model_validator(mode="after")
     def _bf16_keeps_fp32_weights(self) -> "HFModelArgs":

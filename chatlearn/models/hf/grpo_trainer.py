@@ -31,26 +31,30 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from chatlearn.algorithms import (
+    KL_ESTIMATORS,
     ROLLOUT_CORRECTIONS,
     get_kl_estimator,
     get_policy_loss,
     get_rollout_correction,
     whiten_global_batch,
 )
-from chatlearn.algorithms.aggregation import aggregate_loss
+from chatlearn.algorithms.aggregation import aggregate_loss, policy_aggregation_problem
+from chatlearn.algorithms.registry import name_problem, policy_loss_problem
 from chatlearn.data.batch import collate_samples, loss_mask
 from chatlearn.models.hf.common import ResponseTokens, response_logprobs
 from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs
 
 
 class GRPOPolicyArgs(OptimArgs):
-    policy_loss: Literal["grpo", "gspo", "cispo"] = Field(
-        "grpo", description="grpo: token-level ratio; gspo: one ratio per sequence (mean token log-ratio); "
-        "cispo: the clipped ratio as a constant weight of the REINFORCE term (no token's gradient is zeroed)")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        Field("token-mean", description="how the per-token loss becomes the batch's: over all response tokens "
-              "(ChatLearn's, DAPO's), each sequence's token sum or token mean averaged over sequences, or the token "
-              "sum over sequences divided by the constant loss_scale_factor (Dr.GRPO)"))
+    policy_loss: str = Field(
+        "grpo", description="a registered policy loss of the grpo family: grpo: token-level ratio; gspo: one ratio "
+        "per sequence (mean token log-ratio); cispo: the clipped ratio as a constant weight of the REINFORCE term "
+        "(no token's gradient is zeroed)")
+    loss_agg_mode: str = Field(
+        "token-mean", description="how the per-token loss becomes the batch's (chatlearn.algorithms.aggregation): "
+        "token-mean, over all response tokens (ChatLearn's, DAPO's); seq-mean-token-sum or seq-mean-token-mean, "
+        "each sequence's token sum or token mean averaged over sequences; seq-mean-token-sum-norm, the token sum "
+        "over sequences divided by the constant loss_scale_factor (Dr.GRPO)")
     loss_scale_factor: float | None = Field(
         None, gt=0, description="the constant normaliser of seq-mean-token-sum-norm (Dr.GRPO: the generation "
         "budget, max_new_tokens); only with that mode")
@@ -60,8 +64,9 @@ class GRPOPolicyArgs(OptimArgs):
     final_clip_ratio: float = Field(3.0, gt=0, description="upper bound of the per-token loss (dual clip)")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL loss term to the reference (needs "
                            "models.reference; verl's use_kl_loss / kl_loss_coef)")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="the KL loss term's per-token estimator (chatlearn.algorithms.kl; verl's kl_loss_type)")
+    kl_estimator: str = Field(
+        "k3", description="the KL loss term's per-token estimator, a registered one: k1, k2, k3 "
+        "(chatlearn.algorithms.kl; verl's kl_loss_type)")
     whiten_advantages: bool = Field(
         False, description="whiten the advantages over each global batch (REINFORCE++'s estimators need it)")
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
@@ -77,12 +82,33 @@ class GRPOPolicyArgs(OptimArgs):
                             "sampler's)")
     rollout_is_cap: float = Field(2.0, gt=1.0, description="the rollout correction's bound on the importance ratio")
 
+    # every name is checked with the config, against its registry: an unknown one would fail in the actor
+    @field_validator("policy_loss")
+    @classmethod
+    def _grpo_family(cls, name: str) -> str:
+        if (problem := policy_loss_problem(name, "grpo", "the GRPO policy trainer")) is not None:
+            raise ValueError(problem)
+        return name
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _per_token_mode(cls, mode: str) -> str:
+        if (problem := policy_aggregation_problem(mode)) is not None:
+            raise ValueError(problem)
+        return mode
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _known_kl(cls, name: str) -> str:
+        if (problem := name_problem("KL estimator", name, KL_ESTIMATORS)) is not None:
+            raise ValueError(problem)
+        return name
+
     @field_validator("rollout_correction")
     @classmethod
     def _known_correction(cls, value: str) -> str:
-        if value != "none" and value not in ROLLOUT_CORRECTIONS:
-            known = ", ".join(sorted(ROLLOUT_CORRECTIONS))
-            raise ValueError(f"unknown rollout correction {value!r}; known: none, {known}")
+        if (problem := name_problem("rollout correction", value, ["none", *ROLLOUT_CORRECTIONS])) is not None:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
@@ -114,6 +140,8 @@ class GRPOPolicyTrainer(CausalLMTrainer):
     the reference and entropy bonus, each aggregated as ``loss_agg_mode`` over the global batch."""
 
     args_schema = GRPOPolicyArgs
+    # the advantages it takes (chatlearn.algorithms.registry.ADVANTAGE_SHAPES): a per-sequence one is broadcast
+    advantage_shapes = ("token", "sequence")
 
     def run_notes(self, plan: Any) -> list[str]:
         """Where the ratio's old log-probs come from (the engine's flow decides: `chatlearn.runtime.engines`)."""

@@ -12,15 +12,8 @@ from chatlearn.models.hf.common import (
     load_causal_lm,
     load_tokenizer,
     response_logprobs,
-    sliding_window,
 )
-from chatlearn.models.hf.rollout import (
-    GPU_ONLY_ROLLOUT_ENGINES,
-    ROLLOUT_ENGINES,
-    PerSampleSampler,
-    Request,
-    hf_generate,
-)
+from chatlearn.models.hf.rollout import ROLLOUT_ENGINES, PerSampleSampler, Request, RolloutEngine, make_engine
 
 __all__ = ["PerSampleSampler", "PolicyArgs", "PolicyInference", "response_mask_from_eos"]
 
@@ -103,9 +96,8 @@ class PolicyInference(HFModule):
 
     supports_pipeline = True
     continues_responses = True  # partial rollouts: a batch may carry responses to go on with (`_continued`)
-    # the generation backends `runtime.rollout_engine` names (the config check reads them here)
+    # the generation backends `runtime.rollout_engine` names, by name (the config check asks the one named)
     rollout_engines = ROLLOUT_ENGINES
-    gpu_only_rollout_engines = GPU_ONLY_ROLLOUT_ENGINES
 
     args_schema = PolicyArgs
 
@@ -113,12 +105,11 @@ class PolicyInference(HFModule):
         ensure_model_files(self.args)
         self.tokenizer = load_tokenizer(self.args.model_path)
         self.model = load_causal_lm(self.args.model_path, self.args.dtype).to(self.device).eval()
-        if self.runtime_args.rollout_engine == "continuous" and (window := sliding_window(self.model)) is not None:
-            # its slot cache keeps every position and masks them all alike (no per-row window)
-            raise ValueError(
-                f"runtime.rollout_engine: 'continuous' does not support the sliding-window attention of "
-                f"models.{self.name} ({self.args.model_path}: sliding_window {window}); use rollout_engine: hf")
         self.parallelize()
+        # the config check allowed pipeline stages only to an engine that generates through them
+        self.rollout: RolloutEngine = make_engine(
+            self.runtime_args.rollout_engine, self.model, f"models.{self.name} ({self.args.model_path})",
+            stages=self._generate_in_stages if self.pipelined else None)
 
     def build_dataset(self, prompts, is_eval=False):
         if isinstance(prompts, Records):  # checked on the driver, and read lazily: materialised here, it would not be
@@ -155,10 +146,7 @@ class PolicyInference(HFModule):
             do_sample=do_sample, sample_ids=data.get("sample_id"), seed=self.seed,
             temperature=self.args.temperature, top_k=self.args.top_k, top_p=self.args.top_p,
             max_num_seqs=self.args.max_num_seqs, first_steps=done.tolist() if done is not None else None)
-        if self.pipelined:  # the config check allows only hf here: its loop runs through the stages
-            response_ids, logprobs = hf_generate(self.model, req, generate=self._generate_in_stages)
-        else:
-            response_ids, logprobs = ROLLOUT_ENGINES[self.runtime_args.rollout_engine](self.model, req)
+        response_ids, logprobs = self.rollout.generate(req)
         mask = response_mask_from_eos(response_ids, self.tokenizer.eos_token_id)
         if done is not None:  # the whole response: the earlier rounds' tokens, then this round's
             response_ids, logprobs, mask = _joined(data, done, response_ids, logprobs, mask,

@@ -8,12 +8,13 @@ so the step equals one big batch's masked mean whatever the micro-batch size.
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from chatlearn.algorithms import get_policy_loss, get_value_loss, whiten_global_batch
+from chatlearn.algorithms import VALUE_LOSSES, get_policy_loss, get_value_loss, whiten_global_batch
+from chatlearn.algorithms.registry import name_problem, policy_loss_problem
 from chatlearn.data.batch import loss_mask
 from chatlearn.models.hf.common import ResponseTokens, ensure_model_files
-from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs, Trainer
+from chatlearn.models.hf.trainer import CausalLMTrainer, OptimArgs, TrainerModule
 from chatlearn.models.hf.value import ValueArgs, ValueNetwork
 
 
@@ -22,19 +23,37 @@ class PPOPolicyArgs(OptimArgs):
     clip_ratio_c: float | None = Field(
         None, gt=1, description="dual clip: for a negative advantage the per-token loss is at most -A * this "
         "(verl's clip_ratio_c, 3.0 there); None: plain PPO clip")
-    policy_loss: str = Field("ppo_clip", description="registered policy loss")
+    policy_loss: str = Field("ppo_clip", description="registered policy loss of the ppo family (called with "
+                             "cliprange and clip_ratio_c; chatlearn.algorithms.registry)")
     whiten_advantages: bool = Field(True, description="whiten advantages over each global batch")
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _ppo_family(cls, name: str) -> str:
+        # checked with the config: an unknown loss would fail at setup, another family's at the first step
+        if (problem := policy_loss_problem(name, "ppo", "the PPO policy trainer")) is not None:
+            raise ValueError(problem)
+        return name
 
 
 class PPOValueArgs(OptimArgs, ValueArgs):
     cliprange_value: float = Field(0.2, gt=0, description="clip of the new value around the old one")
     value_loss: str = Field("ppo_clip", description="registered value loss")
 
+    @field_validator("value_loss")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if (problem := name_problem("value loss", name, VALUE_LOSSES)) is not None:
+            raise ValueError(problem)
+        return name
+
 
 class PPOPolicyTrainer(CausalLMTrainer):
     """ppo_policy of the RLHF engine: the registered policy loss (``ppo_clip``) on whitened advantages."""
 
     args_schema = PPOPolicyArgs
+    # the advantages it takes (chatlearn.algorithms.registry.ADVANTAGE_SHAPES): its loss and whitening are per token
+    advantage_shapes = ("token",)
 
     def setup(self) -> None:
         super().setup()
@@ -60,7 +79,7 @@ class PPOPolicyTrainer(CausalLMTrainer):
                           if k in self.stat_keys()}
 
 
-class PPOValueTrainer(Trainer):
+class PPOValueTrainer(TrainerModule):
     """ppo_value of the RLHF engine: the registered value loss (``ppo_clip``) against the GAE returns."""
 
     args_schema = PPOValueArgs

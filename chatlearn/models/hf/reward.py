@@ -16,7 +16,7 @@ A score or an advantage that is not finite (a reward model's NaN, a policy's NaN
 is a `RunError` naming the sample here, where it is made: trained on, it would turn every weight into NaN.
 """
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,11 +24,13 @@ from transformers import AutoModelForSequenceClassification
 
 from chatlearn.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
     WHITENED_ESTIMATORS,
     advantage_estimator_inputs,
     advantage_estimator_settings,
     get_advantage_estimator,
 )
+from chatlearn.algorithms.registry import ADVANTAGE_ESTIMATOR_SHAPE, ADVANTAGE_SHAPES, name_problem
 from chatlearn.config.engines import ENGINES
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, load_tokenizer
@@ -44,8 +46,9 @@ class PPOExperienceArgs(BaseModel):
     kl_coef: float | None = Field(
         None, ge=0, description="weight of the per-token KL penalty to the reference in the reward (gae, "
         "reinforce_pp, reinforce_pp_baseline; verl's use_kl_in_reward); default 0.02 for gae, else 0")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k1", description="the reward KL penalty's per-token estimator (chatlearn.algorithms.kl; verl's kl_penalty)")
+    kl_estimator: str = Field(
+        "k1", description="the reward KL penalty's per-token estimator, a registered one: k1, k2, k3 "
+        "(chatlearn.algorithms.kl; verl's kl_penalty)")
     gamma: float = Field(1.0, ge=0, le=1, description="discount of GAE and of REINFORCE++'s returns")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
     advantage_estimator: str | None = Field(
@@ -79,12 +82,19 @@ class PPOExperienceArgs(BaseModel):
         "score_step or forward_step outputs in the flow), the weight of each by model name in the sum it trains "
         "on, this reward's own included; 1.0 for a name not listed")
 
+    # checked with the config, before any actor starts
     @field_validator("advantage_estimator")
     @classmethod
     def _registered(cls, name: str | None) -> str | None:
-        # checked with the config, before any actor starts
-        if name is not None and name not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
+        if name is not None and (problem := name_problem("advantage estimator", name, ADVANTAGE_ESTIMATORS)):
+            raise ValueError(problem)
+        return name
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _known_kl(cls, name: str) -> str:
+        if (problem := name_problem("KL estimator", name, KL_ESTIMATORS)) is not None:
+            raise ValueError(problem)
         return name
 
 
@@ -188,6 +198,18 @@ class _ExperienceMixin:
     def estimator_whitened(name: str) -> bool:
         """Whether the trainer whitens the estimator ``name``'s advantages over each global batch (REINFORCE++)."""
         return name in WHITENED_ESTIMATORS
+
+    @staticmethod
+    def estimator_shape(name: str) -> tuple[str, str] | None:
+        """The advantages the estimator ``name`` makes, ``(shape, what it means)`` (``token``: per response token
+        [B, T]; ``sequence``: per sequence [B]); None: no such estimator. The engine checks ask it."""
+        shape = ADVANTAGE_ESTIMATOR_SHAPE.get(name)
+        return None if shape is None else (shape, ADVANTAGE_SHAPES[shape])
+
+    @staticmethod
+    def estimators_of_shape(shapes: tuple[str, ...]) -> list[str]:
+        """The registered estimators that make advantages of one of ``shapes``, sorted."""
+        return sorted(n for n, s in ADVANTAGE_ESTIMATOR_SHAPE.items() if s in shapes)
 
     def advantage_estimator(self) -> str:
         """The estimator this reward runs: ``args_dict.advantage_estimator``, else its engine's."""

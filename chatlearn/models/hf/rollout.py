@@ -1,6 +1,20 @@
 """Rollout engines: how the inference policy turns a batch of prompts into responses (`runtime.rollout_engine`).
 
-An engine is registered by name and called as ``engine(model, request) -> (response_ids, logprobs)``:
+An engine is a :class:`RolloutEngine` subclass registered by name (:func:`register_rollout_engine`). The policy
+makes one in its setup with its Hugging Face model (:func:`make_engine`) and calls it for every generation batch:
+
+* it gets the model (``cls(model, stages=None)``; ``stages``: the pipeline stages' generate loop, called like
+  ``model.generate``, only for an engine that declares ``pipeline_stages``) and a :class:`Request` per batch
+  (left-padded prompt ids and mask, the token budget, EOS/pad ids, and how to pick tokens);
+* it returns ``generate(request) -> (response_ids, logprobs)``: the response ids ``[B, R]`` (R: the longest
+  response; what follows a row's EOS is padding the policy masks) and the sampled tokens' log-probs ``[B, R]``
+  (None when the per-sample sampler did not draw them: the policy then scores the responses itself);
+* it declares, for the config check (`chatlearn.config.engine_checks`, which knows no engine by name and asks
+  the class): ``problems(cfg, model)``, why it cannot generate for ``models.<model>`` of that config (one line
+  each, naming the field; the base refuses pipeline stages unless ``pipeline_stages``), and for the loaded model
+  ``model_problems(model)``, what of it the engine cannot run (checked in the policy's setup).
+
+The engines:
 
 * ``hf``: one Hugging Face ``generate`` over the batch. Every row runs until the longest response ends (a
   finished row keeps computing padding), so a batch with one long response pays for it in every row.
@@ -8,34 +22,60 @@ An engine is registered by name and called as ``engine(model, request) -> (respo
   once; a sequence that ends leaves the batch at once (its cache rows are dropped) and a waiting prompt takes
   its slot (prefilled, then left-padded into the running cache). Decode steps cost what the live rows cost.
 
-Both draw tokens with the same per-sample sampler (:func:`draw`): the noise of a token depends on the run
+Both draw tokens with the same per-sample sampler (:func:`perturb`): the noise of a token depends on the run
 seed, the sample id and the token's index in its response only, so a sample gets the same response whatever
 engine, batch or slot it ran in (up to the last bits of the logits, which depend on the batch's shapes).
 Both return the sampled tokens' log-probs, read from the model's logits as the tokens are drawn.
 
-``vllm`` and ``sglang`` (ChatLearn's GPU engines) are known names that the config check refuses: they need a
-GPU build and are not supported yet; an engine for them plugs in here with :func:`register_rollout_engine`.
+``vllm`` and ``sglang`` (ChatLearn's GPU engines) are registered as :class:`NotSupportedYet` entries: known
+names whose ``problems`` refuse them (they need a GPU build). An engine for one replaces its entry here.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-ROLLOUT_ENGINES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}
-# accepted names whose engine needs a GPU build: refused by the config check with this reason
-GPU_ONLY_ROLLOUT_ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
+from chatlearn.config.root import ChatLearnConfig
+from chatlearn.models.hf.common import sliding_window
+
+__all__ = ["ROLLOUT_ENGINES", "ContinuousBatching", "HFGenerate", "NotSupportedYet", "PerSampleSampler", "Request",
+           "RolloutEngine", "make_engine", "register_rollout_engine", "runnable_engines"]
+
+ROLLOUT_ENGINES: dict[str, type["RolloutEngine"]] = {}
 
 
-def register_rollout_engine(name: str) -> Callable:
-    def decorator(fn: Callable) -> Callable:
-        if ROLLOUT_ENGINES.get(name, fn) is not fn:
+def register_rollout_engine(name: str) -> Callable[[type["RolloutEngine"]], type["RolloutEngine"]]:
+    """Class decorator: register a :class:`RolloutEngine` subclass as ``runtime.rollout_engine: name``."""
+    def decorator(cls: type["RolloutEngine"]) -> type["RolloutEngine"]:
+        if ROLLOUT_ENGINES.get(name, cls) is not cls:
             raise ValueError(f"rollout engine {name!r} is already registered")
-        ROLLOUT_ENGINES[name] = fn
-        return fn
+        cls.name = name
+        ROLLOUT_ENGINES[name] = cls
+        return cls
     return decorator
+
+
+def runnable_engines(model: Any = None) -> list[str]:
+    """The registered engines that generate (not the names registered only to be refused), sorted; with a loaded
+    ``model``, those that can run it."""
+    return sorted(name for name, cls in ROLLOUT_ENGINES.items()
+                  if cls.implemented and (model is None or not cls.model_problems(model)))
+
+
+def make_engine(name: str, model: Any, where: str, stages: Callable[..., torch.Tensor] | None = None
+                ) -> "RolloutEngine":
+    """The engine ``name`` for the loaded ``model`` (``where`` names it: ``models.policy (path)``); a ValueError
+    naming the field, what the engine cannot run and the engines that can, when it cannot."""
+    cls = ROLLOUT_ENGINES[name]
+    unsupported = cls.model_problems(model)
+    if unsupported:
+        raise ValueError(f"runtime.rollout_engine: {name!r} does not support {'; '.join(unsupported)} of {where}; "
+                         f"use rollout_engine: {' or '.join(runnable_engines(model))}")
+    return cls(model, stages=stages)
 
 
 @dataclass
@@ -61,6 +101,66 @@ class Request:
     # a continued response (partial rollouts): each row's tokens so far are the end of its prompt, and its new
     # tokens are response steps first_steps[i], first_steps[i] + 1, ... (the sampler's noise, the EOS ban)
     first_steps: list[int] | None = None
+
+
+class RolloutEngine:
+    """How the policy generates (the module docstring says what an engine gets, returns and declares)."""
+
+    name: ClassVar[str] = ""  # set by register_rollout_engine
+    implemented: ClassVar[bool] = True  # False: a known name the config check refuses (NotSupportedYet)
+    pipeline_stages: ClassVar[bool] = False  # generates through pipeline stages (is given their ``stages`` loop)
+
+    def __init__(self, model: Any, stages: Callable[..., torch.Tensor] | None = None) -> None:
+        if stages is not None and not self.pipeline_stages:
+            raise ValueError(f"rollout engine {self.name!r} does not generate through pipeline stages")
+        self.model, self.stages = model, stages
+
+    @classmethod
+    def problems(cls, cfg: ChatLearnConfig, model: str) -> list[str]:
+        """Why this engine cannot generate for ``models.<model>`` of ``cfg``: one line each, naming the field."""
+        pp = cfg.models[model].pipeline_model_parallel_size or 1
+        if pp > 1 and not cls.pipeline_stages:
+            stages = " or ".join(repr(n) for n, e in sorted(ROLLOUT_ENGINES.items())
+                                 if e.pipeline_stages and e.implemented)
+            return [f"runtime.rollout_engine: {cls.name!r} with models.{model}.pipeline_model_parallel_size {pp} "
+                    f"is not supported yet (pipeline stages generate with {stages})"]
+        return []
+
+    @classmethod
+    def model_problems(cls, model: Any) -> list[str]:
+        """What of the loaded ``model`` this engine cannot run (e.g. "the sliding-window attention
+        (sliding_window 8)"); the policy's setup refuses the model with it, naming the model."""
+        return []
+
+    def generate(self, req: "Request") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The response ids [B, R] and the sampled tokens' log-probs [B, R] (None: not drawn per sample)."""
+        raise NotImplementedError(f"{type(self).__name__}.generate")
+
+
+class NotSupportedYet(RolloutEngine):
+    """A name ChatLearn knows whose engine needs what this build has not (``needs``): refused by the config
+    check with that reason and the engines that run."""
+
+    implemented = False
+    needs: ClassVar[str] = ""
+
+    @classmethod
+    def problems(cls, cfg: ChatLearnConfig, model: str) -> list[str]:
+        return [f"runtime.rollout_engine: {cls.name!r} needs {cls.needs} and is not supported yet; use one of "
+                f"{runnable_engines()}"]
+
+    def generate(self, req: "Request") -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError(f"rollout engine {self.name!r} needs {self.needs}")
+
+
+@register_rollout_engine("vllm")
+class VLLMNotYet(NotSupportedYet):
+    needs = "a GPU build of vLLM"
+
+
+@register_rollout_engine("sglang")
+class SGLangNotYet(NotSupportedYet):
+    needs = "a GPU build of SGLang"
 
 
 def ban_eos(scores: torch.Tensor, steps: list[int], min_new_tokens: int, eos_token_id: int | None) -> torch.Tensor:
@@ -141,29 +241,32 @@ class PerSampleSampler:
 
 
 @register_rollout_engine("hf")
-def hf_generate(model, req: Request, generate: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Hugging Face ``generate`` over the whole batch (``generate``: another function called like it, e.g.
-    the pipeline stages' loop). Returns the response ids [B, R] (R: the longest response; padding after EOS
-    is whatever generate wrote) and the sampled tokens' log-probs (None when not sampled per sample)."""
-    sampler = None
-    min_new_tokens = req.min_new_tokens
-    if req.do_sample and req.sample_ids is not None:
-        sampler = PerSampleSampler(req.seed, req.sample_ids, req.temperature, req.top_k, req.top_p,
-                                   prompt_width=req.prompt_ids.shape[1], min_new_tokens=min_new_tokens,
-                                   eos_token_id=req.eos_token_id, first_steps=req.first_steps)
-        kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
-        min_new_tokens = 0  # the sampler bans EOS itself, after reading its logit
-    elif req.do_sample:
-        kwargs = dict(do_sample=True, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
-    else:
-        kwargs = dict(do_sample=False)
-    out = (generate or model.generate)(
-        input_ids=req.prompt_ids, attention_mask=req.prompt_mask, max_new_tokens=req.max_new_tokens,
-        min_new_tokens=min_new_tokens, pad_token_id=req.pad_token_id, eos_token_id=req.eos_token_id,
-        use_cache=True, **kwargs,
-    ).cpu()
-    response_ids = out[:, req.prompt_ids.shape[1]:]
-    return response_ids, None if sampler is None else sampler.logprobs(response_ids.shape[1])
+class HFGenerate(RolloutEngine):
+    """Hugging Face ``generate`` over the whole batch (with ``stages``: the pipeline stages' loop, called like it).
+    Padding after EOS is whatever generate wrote; the log-probs are None when not sampled per sample."""
+
+    pipeline_stages = True
+
+    def generate(self, req: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
+        sampler = None
+        min_new_tokens = req.min_new_tokens
+        if req.do_sample and req.sample_ids is not None:
+            sampler = PerSampleSampler(req.seed, req.sample_ids, req.temperature, req.top_k, req.top_p,
+                                       prompt_width=req.prompt_ids.shape[1], min_new_tokens=min_new_tokens,
+                                       eos_token_id=req.eos_token_id, first_steps=req.first_steps)
+            kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
+            min_new_tokens = 0  # the sampler bans EOS itself, after reading its logit
+        elif req.do_sample:
+            kwargs = dict(do_sample=True, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+        else:
+            kwargs = dict(do_sample=False)
+        out = (self.stages or self.model.generate)(
+            input_ids=req.prompt_ids, attention_mask=req.prompt_mask, max_new_tokens=req.max_new_tokens,
+            min_new_tokens=min_new_tokens, pad_token_id=req.pad_token_id, eos_token_id=req.eos_token_id,
+            use_cache=True, **kwargs,
+        ).cpu()
+        response_ids = out[:, req.prompt_ids.shape[1]:]
+        return response_ids, None if sampler is None else sampler.logprobs(response_ids.shape[1])
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -262,84 +365,93 @@ class _Slots:
 
 
 @register_rollout_engine("continuous")
-@torch.no_grad()
-def continuous_batching(model, req: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
+class ContinuousBatching(RolloutEngine):
     """Continuous batching: at most ``req.max_num_seqs`` sequences decode together; a finished one leaves and
-    a waiting prompt is prefilled into its slot. Returns what :func:`hf_generate` returns, padded with
+    a waiting prompt is prefilled into its slot. Returns what :class:`HFGenerate` returns, padded with
     ``pad_token_id`` after each response (log-probs 0 there). Sampling without sample ids draws with the
     per-sample sampler on the rows' positions in the batch."""
-    device = req.prompt_ids.device
-    n = req.prompt_ids.shape[0]
-    sample = req.do_sample
-    sample_ids = list(req.sample_ids) if req.sample_ids is not None else list(range(n))
-    first = list(req.first_steps) if req.first_steps is not None else [0] * n
-    prompts = [row[m.bool()] for row, m in zip(req.prompt_ids, req.prompt_mask, strict=True)]
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    logps: list[list[float]] = [[] for _ in range(n)]
-    waiting = list(range(n))
-    size = max(1, min(req.max_num_seqs, n))
-    slots = _Slots(model, size, max(len(p) for p in prompts) + req.max_new_tokens)
-    # prefill a group of waiting prompts once this many slots are free (or nothing else is decoding): a
-    # prefill per freed sequence would pay a forward's fixed cost almost every step
-    refill = max(1, size // 8)
 
-    def pick(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        steps = [len(tokens[i]) + first[i] for i in rows]
-        if sample:
-            out, full = perturb(logits, req.seed, [sample_ids[i] for i in rows], steps, req.temperature,
-                                req.top_k, req.top_p, req.min_new_tokens, req.eos_token_id)
-            nxt = out.argmax(-1)
-            return nxt, full.gather(-1, nxt[:, None]).squeeze(-1)
-        return ban_eos(logits.float(), steps, req.min_new_tokens, req.eos_token_id).argmax(-1), None
+    @classmethod
+    def model_problems(cls, model: Any) -> list[str]:
+        # its slot cache keeps every position and masks them all alike (no per-row window)
+        window = sliding_window(model)
+        return [] if window is None else [f"the sliding-window attention (sliding_window {window})"]
 
-    def record(rows: list[int], nxt: torch.Tensor, lp: torch.Tensor | None) -> list[int]:
-        """Append each row's token; returns the positions (in ``rows``) of the sequences that ended."""
-        ended = []
-        lps = lp.tolist() if lp is not None else None
-        for pos, (i, tok) in enumerate(zip(rows, nxt.tolist(), strict=True)):
-            tokens[i].append(tok)
-            if lps is not None:
-                logps[i].append(lps[pos])
-            if tok == req.eos_token_id or len(tokens[i]) >= req.max_new_tokens:
-                ended.append(pos)
-        return ended
+    @torch.no_grad()
+    def generate(self, req: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
+        model = self.model
+        device = req.prompt_ids.device
+        n = req.prompt_ids.shape[0]
+        sample = req.do_sample
+        sample_ids = list(req.sample_ids) if req.sample_ids is not None else list(range(n))
+        first = list(req.first_steps) if req.first_steps is not None else [0] * n
+        prompts = [row[m.bool()] for row, m in zip(req.prompt_ids, req.prompt_mask, strict=True)]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        waiting = list(range(n))
+        size = max(1, min(req.max_num_seqs, n))
+        slots = _Slots(model, size, max(len(p) for p in prompts) + req.max_new_tokens)
+        # prefill a group of waiting prompts once this many slots are free (or nothing else is decoding): a
+        # prefill per freed sequence would pay a forward's fixed cost almost every step
+        refill = max(1, size // 8)
 
-    while waiting or slots.live:
-        free = size - slots.live
-        if waiting and (free >= min(refill, len(waiting)) or not slots.live):
-            group, waiting = waiting[:free], waiting[free:]
-            lengths = [len(prompts[i]) for i in group]
-            width = max(lengths)
-            ids = torch.full((len(group), width), req.pad_token_id, dtype=torch.long, device=device)
-            mask = torch.zeros((len(group), width), dtype=torch.long, device=device)
-            for r, i in enumerate(group):
-                ids[r, width - lengths[r]:] = prompts[i]
-                mask[r, width - lengths[r]:] = 1
-            out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                        cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
-            nxt, lp = pick(out.logits[:, -1, :], group)
-            ended = set(record(group, nxt, lp))
-            going = [r for r in range(len(group)) if r not in ended]
-            slots.add(out.cache, width, going, [lengths[r] for r in going], [group[r] for r in going],
-                      nxt[going].cpu())
-            continue
-        # one decode step for every live sequence
-        live = slots.live
-        lens = slots.lens[:live]
-        mask = (torch.arange(int(lens.max()) + 1) <= lens[:, None]).long()
-        out = model(input_ids=slots.next[:live, None].to(device), attention_mask=mask.to(device),
-                    position_ids=lens[:, None].to(device), cache=slots.cache, use_cache=True)
-        slots.lens[:live] += 1
-        rows = list(slots.index)
-        nxt, lp = pick(out.logits[:, -1, :], rows)
-        slots.next[:live] = nxt.cpu()
-        slots.drop(record(rows, nxt, lp))
+        def pick(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            steps = [len(tokens[i]) + first[i] for i in rows]
+            if sample:
+                out, full = perturb(logits, req.seed, [sample_ids[i] for i in rows], steps, req.temperature,
+                                    req.top_k, req.top_p, req.min_new_tokens, req.eos_token_id)
+                nxt = out.argmax(-1)
+                return nxt, full.gather(-1, nxt[:, None]).squeeze(-1)
+            return ban_eos(logits.float(), steps, req.min_new_tokens, req.eos_token_id).argmax(-1), None
 
-    width = max(len(t) for t in tokens)
-    response = torch.full((n, width), req.pad_token_id, dtype=torch.long)
-    logprobs = torch.zeros(n, width)
-    for i in range(n):
-        response[i, : len(tokens[i])] = torch.tensor(tokens[i], dtype=torch.long)
-        if sample:
-            logprobs[i, : len(logps[i])] = torch.tensor(logps[i])
-    return response, logprobs if sample else None
+        def record(rows: list[int], nxt: torch.Tensor, lp: torch.Tensor | None) -> list[int]:
+            """Append each row's token; returns the positions (in ``rows``) of the sequences that ended."""
+            ended = []
+            lps = lp.tolist() if lp is not None else None
+            for pos, (i, tok) in enumerate(zip(rows, nxt.tolist(), strict=True)):
+                tokens[i].append(tok)
+                if lps is not None:
+                    logps[i].append(lps[pos])
+                if tok == req.eos_token_id or len(tokens[i]) >= req.max_new_tokens:
+                    ended.append(pos)
+            return ended
+
+        while waiting or slots.live:
+            free = size - slots.live
+            if waiting and (free >= min(refill, len(waiting)) or not slots.live):
+                group, waiting = waiting[:free], waiting[free:]
+                lengths = [len(prompts[i]) for i in group]
+                width = max(lengths)
+                ids = torch.full((len(group), width), req.pad_token_id, dtype=torch.long, device=device)
+                mask = torch.zeros((len(group), width), dtype=torch.long, device=device)
+                for r, i in enumerate(group):
+                    ids[r, width - lengths[r]:] = prompts[i]
+                    mask[r, width - lengths[r]:] = 1
+                out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                            cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+                nxt, lp = pick(out.logits[:, -1, :], group)
+                ended = set(record(group, nxt, lp))
+                going = [r for r in range(len(group)) if r not in ended]
+                slots.add(out.cache, width, going, [lengths[r] for r in going], [group[r] for r in going],
+                          nxt[going].cpu())
+                continue
+            # one decode step for every live sequence
+            live = slots.live
+            lens = slots.lens[:live]
+            mask = (torch.arange(int(lens.max()) + 1) <= lens[:, None]).long()
+            out = model(input_ids=slots.next[:live, None].to(device), attention_mask=mask.to(device),
+                        position_ids=lens[:, None].to(device), cache=slots.cache, use_cache=True)
+            slots.lens[:live] += 1
+            rows = list(slots.index)
+            nxt, lp = pick(out.logits[:, -1, :], rows)
+            slots.next[:live] = nxt.cpu()
+            slots.drop(record(rows, nxt, lp))
+
+        width = max(len(t) for t in tokens)
+        response = torch.full((n, width), req.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(n, width)
+        for i in range(n):
+            response[i, : len(tokens[i])] = torch.tensor(tokens[i], dtype=torch.long)
+            if sample:
+                logprobs[i, : len(logps[i])] = torch.tensor(logps[i])
+        return response, logprobs if sample else None

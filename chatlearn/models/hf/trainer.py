@@ -1,6 +1,6 @@
 """The trainer loop every built-in trainer shares: one optimizer step per global batch.
 
-`Trainer.train_step` receives the micro-batches of one global batch and owns everything but the loss: zeroing
+`TrainerModule.train_step` receives the micro-batches of one global batch and owns everything but the loss: zeroing
 the gradients, each micro-batch's share of the global batch (:mod:`chatlearn.algorithms.aggregation`), this
 rank's micro-batches (data parallel) or the pipeline's 1F1B schedule, the backward passes (gradients
 accumulate), the statistics summed over the ranks, clipping and the optimizer and LR-schedule step. A trainer
@@ -38,7 +38,7 @@ from chatlearn.models.hf.packing import pack, regroup
 from chatlearn.models.pipeline import pipeline_train
 from chatlearn.utils.finite import require_finite
 
-__all__ = ["CausalLMTrainer", "OptimArgs", "Trainer", "lr_factor", "optimizer_step", "total_optimizer_steps"]
+__all__ = ["CausalLMTrainer", "OptimArgs", "TrainerModule", "lr_factor", "optimizer_step", "total_optimizer_steps"]
 
 
 class OptimArgs(HFModelArgs):
@@ -111,9 +111,10 @@ def _add(parts: Any) -> dict[str, float]:
     return out
 
 
-class Trainer(HFModule):
+class TrainerModule(HFModule):
     """One optimizer step over the micro-batches of a global batch, equal to one big batch's step whatever the
     micro-batch size (each micro-batch's loss weighted by its share of the global batch, see ``aggregation``).
+    (The module a trainer model runs; ``chatlearn.Trainer`` is ChatLearn's compute-flow wrapper, another thing.)
 
     A subclass builds ``self.model``, ``self.optimizer`` and ``self.scheduler`` in ``setup`` and provides:
 
@@ -261,7 +262,7 @@ class Trainer(HFModule):
         return _add(parts.values())
 
 
-class CausalLMTrainer(LoraTrainerMixin, Trainer):
+class CausalLMTrainer(LoraTrainerMixin, TrainerModule):
     """A trainer of a Hugging Face causal LM (the policy trainers). With ``lora.enable_lora`` only adapters
     train: the sync sends merged weights, checkpoints keep adapters apart from the base, the export is merged."""
 

@@ -17,7 +17,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from chatlearn.config import ChatLearnConfig
 from chatlearn.config.runtime import LogArgsConfig
@@ -67,11 +67,34 @@ class _Tracker(Protocol):
     def close(self, failed: bool) -> None: ...
 
 
+class _Start(NamedTuple):
+    """What every tracker starts from."""
+
+    logs: LogArgsConfig
+    log_dir: Path  # where its files go by default
+    config: dict[str, Any]  # the resolved config, the run's parameters
+    exp_name: str
+    state: dict[str, Any]  # trackers.json's: a tracker keeps there the run id a resume continues
+    first_step: int  # the first episode it logs, from 1
+
+
+# the trackers by name: ``runtime.log_args_dict.enable_<name>`` turns one on (LogArgsConfig.enabled)
+TRACKERS: dict[str, type] = {}
+
+
+def _tracker(cls: type) -> type:
+    TRACKERS[cls.name] = cls
+    return cls
+
+
+@_tracker
 class _TensorBoard:
     name = "tensorboard"
 
-    def __init__(self, logs: LogArgsConfig, log_dir: Path, config: dict[str, Any], first_step: int):
+    def __init__(self, start: _Start):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        logs, log_dir, config, first_step = start.logs, start.log_dir, start.config, start.first_step
 
         path = Path(logs.tensorboard_dir or log_dir / "tensorboard")
         # purge_step: a resumed run's re-run episodes replace what the crashed run wrote for them
@@ -89,12 +112,14 @@ class _TensorBoard:
         self.writer.close()
 
 
+@_tracker
 class _Wandb:
     name = "wandb"
 
-    def __init__(self, logs: LogArgsConfig, log_dir: Path, config: dict[str, Any], exp_name: str,
-                 state: dict[str, Any]):
+    def __init__(self, start: _Start):
         import wandb  # the trackers extra: optional, and slow to import
+
+        logs, log_dir, config, exp_name, state = start.logs, start.log_dir, start.config, start.exp_name, start.state
 
         path = Path(logs.wandb_dir or log_dir / "wandb")
         path.mkdir(parents=True, exist_ok=True)
@@ -115,10 +140,12 @@ class _Wandb:
         self.run.finish(exit_code=1 if failed else 0)
 
 
+@_tracker
 class _Mlflow:
     name = "mlflow"
 
-    def __init__(self, logs: LogArgsConfig, config: dict[str, Any], exp_name: str, state: dict[str, Any]):
+    def __init__(self, start: _Start):
+        logs, config, exp_name, state = start.logs, start.config, start.exp_name, start.state
         # an unreachable server fails within seconds, not after MLflow's minutes of retries (the user's own
         # settings of these win)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -181,18 +208,12 @@ class Trackers:
         if not logs.enabled:
             return cls(run_dir, [], {})
         state = _read_state(run_dir) if first_episode > 0 else {}
-        config = cfg.model_dump(mode="json")
-        log_dir = Path(logs.log_dir or run_dir)
-        exp_name = cfg.runtime.exp_name
-        makers = {
-            "tensorboard": lambda: _TensorBoard(logs, log_dir, config, first_episode + 1),
-            "wandb": lambda: _Wandb(logs, log_dir, config, exp_name, state),
-            "mlflow": lambda: _Mlflow(logs, config, exp_name, state),
-        }
+        start = _Start(logs, Path(logs.log_dir or run_dir), cfg.model_dump(mode="json"), cfg.runtime.exp_name, state,
+                       first_episode + 1)
         out = cls(run_dir, [], state)
         for name in logs.enabled:
             try:
-                out.trackers.append(makers[name]())
+                out.trackers.append(TRACKERS[name](start))
             except Exception as exc:  # noqa: BLE001 - any failure of a tracker is a warning, never the run's
                 _warn(name, "could not start", exc)
         out._save()

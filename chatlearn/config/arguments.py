@@ -1,7 +1,9 @@
 """ChatLearn's own path to the config classes (``from chatlearn.utils.arguments import ModelConfig``).
 
 The config lives in :mod:`chatlearn.config`; this module only re-exports it so code written for ChatLearn
-keeps importing from where it always did.
+keeps importing from where it always did. It is that module: ``chatlearn/__init__.py`` registers it as
+``chatlearn.utils.arguments``. It lives here, with what it re-exports, because ``chatlearn.utils`` sits below
+the config in the layers (``tests/test_layers.py``).
 """
 
 from chatlearn.config.errors import ConfigError, ConfigWarning
