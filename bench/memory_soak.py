@@ -9,10 +9,10 @@ under an hour on a busy 2-core machine.
 While it runs, a sampler polls (every 0.25 s) `run_dir/metrics.jsonl`; when an episode's row appears (the episode
 is over, the next has grown nothing yet) it reads the resident memory (RSS, psutil) and CPU seconds of every
 process: the driver (the `chatlearn train` process), each model process `run_dir/placement.json` names, the
-Prefect server, Ray's services (GCS, raylet, dashboard and agents, monitors, the reaper) and Ray's other workers
-(the rule reward's tasks, the data stream actor), the last two summed per kind; the JSON also keeps each process
-apart. It keeps the row's `peak_memory_mb` too: the largest model process's high-water mark (`ru_maxrss`), which
-only ever goes up.
+Prefect server, Ray's services (GCS, dashboard and its agents, monitors, the reaper) and the raylet with Ray's
+other workers (the rule reward's tasks, the data stream actor), the last two summed per kind; the JSON also keeps
+each process apart. It keeps the row's `peak_memory_mb` too: the largest model process's high-water mark
+(`ru_maxrss`), which only ever goes up.
 
 Reported per line: RSS at episode 1, at the end of warm-up (`--warmup`), at the last episode, its maximum, the
 least-squares slope after warm-up in MB per episode and the CPU seconds an episode took after warm-up. Prints a
@@ -59,6 +59,7 @@ OVERRIDES = [
 ]
 POLL_S = 0.25
 PEAK = "peak_memory_mb (metrics row)"
+WORKERS = "raylet and Ray workers (rule reward tasks, data stream)"
 
 
 def _merge(base: list[str], extra: list[str]) -> list[str]:
@@ -111,8 +112,8 @@ class Sampler:
         if "prefect server start" in cmd:
             return "Prefect server"
         if "default_worker.py" in cmd or (cmd.startswith("ray::") and "Agent" not in cmd):
-            return "Ray workers (rule reward tasks, data stream)"
-        return "Ray services"  # GCS, raylet, dashboard and its agents, monitors, the reaper
+            return WORKERS  # the raylet's command line names the worker script
+        return "Ray services"  # GCS, dashboard and its agents, monitors, the reaper
 
     def snapshot(self) -> tuple[dict[str, float], dict[str, float], dict[str, dict]]:
         """RSS (MB) and CPU seconds so far per plot line, and each process by pid."""
@@ -192,13 +193,18 @@ def summarize(rows: list[dict], warmup: int) -> dict[str, dict]:
     return out
 
 
+def title(unbounded: bool) -> str:
+    return (f"{CONFIG} + tied GQA Qwen2, bf16, continuous, packing, LoRA, RLOO, CISPO, checkpoint every episode"
+            + (" [oneDNN's default kernel caches]" if unbounded else ""))
+
+
 def plot(rows: list[dict], warmup: int, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = sorted({k for r in rows for k in r["rss_mb"]})
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = plt.subplots(figsize=(9, 6))
     for name in names:
         pts = [(i, r["rss_mb"][name]) for i, r in enumerate(rows, 1) if name in r["rss_mb"]]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{name} RSS")
@@ -211,9 +217,9 @@ def plot(rows: list[dict], warmup: int, path: Path, title: str) -> None:
     ax.set_ylabel("MB")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="center right")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.11, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -268,9 +274,7 @@ def main() -> None:
            "episodes": len(rows), "warmup": args.warmup,
            "wall_seconds": wall, "machine": f"{os.cpu_count()} CPUs", "summary": summary, "per_episode": rows}
     (results / f"{stem}.json").write_text(json.dumps(out, indent=1))
-    plot(rows, args.warmup, results / f"{stem}.png",
-         f"{CONFIG} + tied GQA Qwen2, bf16, continuous, packing, LoRA, RLOO, CISPO, checkpoint every episode"
-         + (" [oneDNN's default kernel caches]" if args.unbounded else ""))
+    plot(rows, args.warmup, results / f"{stem}.png", title(args.unbounded))
     print(f"wrote bench/results/{stem}.json and .png")
     if not args.keep:
         import shutil

@@ -14,8 +14,8 @@ and ideep's, PyTorch's oneDNN wrapper (``LRU_CACHE_CAPACITY``); fp32 matmuls kee
 with its scratchpad takes about half a megabyte on an AMX CPU. Padded batches use a handful of shapes; packed
 micro-batches (``packing``: one row of as many tokens as the micro-batch holds) and continuous batching (as many
 rows as sequences are decoding) bring a new shape to most calls, so the caches kept filling for hundreds of
-episodes: the model process of a bf16, packed, continuous run grew by 10-15 MB an episode
-(``bench/memory_soak.py``), towards about 1 GB more. :func:`bound_kernel_caches` caps both at
+episodes: the model process of a bf16, packed, continuous run grew by 10-15 MB an episode at first, for as long
+as the caches had room (``bench/memory_soak.py``). :func:`bound_kernel_caches` caps both at
 :data:`KERNEL_CACHE_CAPACITY` entries: the shapes of a micro-batch (every linear's forward and its two backward
 products, reused by every layer) still hit, and a shape that has left the cache is compiled again (about 2 ms a
 kernel here), into the same code: results do not change. Both capacities are read once per process, when its
