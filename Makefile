@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint docs bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak bench-precision bench-episode-files gpu-smoke clean
+.PHONY: setup train test test-fast lint docs bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak bench-memory bench-precision bench-episode-files gpu-smoke clean
 
 setup: $(STAMP)
 
@@ -85,6 +85,12 @@ bench-episode-files: setup
 # weights equal an undisturbed run's (about an hour here; not part of `bench`)
 bench-soak: setup
 	$(BIN)/python bench/soak.py
+
+# 300 short episodes of the tied GQA Qwen2 with bf16, continuous batching, packing, LoRA, RLOO, CISPO and a
+# checkpoint every episode: each process's resident memory per episode (bench/results/memory_soak.png; not part
+# of `bench`)
+bench-memory: setup
+	$(BIN)/python bench/memory_soak.py
 
 # on a CUDA machine: the default, GRPO on the tiny Qwen2 and online DPO with LoRA on one device, colocated, with
 # the memory handover (never in CI: it has no GPU)

@@ -1,7 +1,8 @@
 """`TorchModule`: a `BaseModule` that holds PyTorch state, with the pieces every torch model needs.
 
-It pins the thread count to the CPUs Ray granted, seeds torch from the run seed, reports peak memory, and
-implements weight export/import for parameter sync and safetensors checkpoints for trainable models.
+It pins the thread count to the CPUs Ray granted, bounds oneDNN's per-shape kernel caches, seeds torch from the
+run seed, reports peak memory, and implements weight export/import for parameter sync and safetensors
+checkpoints for trainable models.
 """
 
 import resource
@@ -20,6 +21,7 @@ from chatlearn.checkpoint.model_checkpoint import (
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.parallel import clip_grad_norm, full_tensors, load_full_tensor, parallelize
 from chatlearn.models.pipeline import PipelinedLM, gather_stages
+from chatlearn.models.precision import bound_kernel_caches
 from chatlearn.utils.devices import fake_gpus
 from chatlearn.utils.finite import require_finite
 
@@ -48,6 +50,7 @@ class TorchModule(BaseModule):
 
     def bind(self, module_args, runtime_args, replica_id, seed) -> None:  # type: ignore[override]
         super().bind(module_args, runtime_args, replica_id, seed)
+        bound_kernel_caches()  # before the process's first kernel: bf16 shapes would otherwise pile up
         threads = module_args.cpu_per_process or 1
         torch.set_num_threads(max(1, int(threads)))
         torch.manual_seed(seed)

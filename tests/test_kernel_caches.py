@@ -1,0 +1,58 @@
+"""Memory that stays flat (issue 45 item 11): a model process bounds oneDNN's per-shape kernel caches, so bf16
+matmuls of ever new shapes (packed micro-batches, continuous batching) stop adding memory once the caches are
+full. Each case runs in a fresh interpreter: the capacities are read when a process builds its first kernel."""
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from chatlearn.models.precision import KERNEL_CACHE_CAPACITY, bound_kernel_caches
+
+# a bf16 linear's forward and backward (three oneDNN kernels) over 300 row counts, as packed micro-batches of
+# 100..399 tokens would run it; RSS growth over the last 100 (the first 200 fill a bounded cache)
+GROWTH = """
+import json, sys
+import psutil, torch
+if sys.argv[1] == "bound":
+    from chatlearn.models.torch_module import TorchModule
+    from chatlearn.utils.arguments import ModelConfig, RuntimeConfig
+    TorchModule("m").bind(ModelConfig(num_cpu=1, cpu_per_process=1), RuntimeConfig(), 0, seed=0)
+torch.set_num_threads(1)
+w = torch.randn(512, 256, requires_grad=True)
+x0 = torch.randn(400, 256)
+def step(rows):
+    x = x0[:rows].clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.nn.functional.linear(x, w)
+    y.float().sum().backward()
+for rows in range(100, 300):
+    step(rows)
+before = psutil.Process().memory_info().rss
+for rows in range(300, 400):
+    step(rows)
+print(json.dumps((psutil.Process().memory_info().rss - before) / 2**20))
+"""
+
+
+def _growth_mb(mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", GROWTH, mode], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_bound_model_process_stops_growing_on_new_bf16_shapes():
+    with ThreadPoolExecutor(2) as pool:
+        unbounded, bound = pool.map(_growth_mb, ["plain", "bound"])
+    if unbounded < 60:  # the control: without the bound, 300 new kernels stay (about 110 MB on an AMX CPU)
+        pytest.skip(f"bf16 matmuls do not build oneDNN kernels per shape on this CPU (+{unbounded:.0f} MB unbounded)")
+    assert bound < 15, f"a bound process grew {bound:.0f} MB over 100 new shapes (unbounded: {unbounded:.0f} MB)"
+
+
+def test_capacities_the_user_set_are_kept():
+    env = {"LRU_CACHE_CAPACITY": "4096"}
+    assert bound_kernel_caches(environ=env) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(KERNEL_CACHE_CAPACITY),
+                                                "LRU_CACHE_CAPACITY": "4096"}
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_CAPACITY)
