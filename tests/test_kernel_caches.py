@@ -3,6 +3,7 @@ matmuls of ever new shapes (packed micro-batches, continuous batching) stop addi
 full. Each case runs in a fresh interpreter: the capacities are read when a process builds its first kernel."""
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,9 @@ print(json.dumps((psutil.Process().memory_info().rss - before) / 2**20))
 
 
 def _growth_mb(mode: str) -> float:
-    out = subprocess.run([sys.executable, "-c", GROWTH, mode], capture_output=True, text=True, timeout=300)
+    # a module bound earlier in this test process set the capacities in its environment: the control must not inherit
+    env = {k: v for k, v in os.environ.items() if k not in bound_kernel_caches(environ={})}
+    out = subprocess.run([sys.executable, "-c", GROWTH, mode], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
