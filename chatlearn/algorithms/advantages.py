@@ -9,8 +9,9 @@ One contract for every algorithm, ``fn(batch, args) -> dict``, registered by nam
   estimator declares the ones it reads, and a setting given to one that does not read it is a config error);
 * returns the fields it adds to the experience, ``advantages`` among them.
 
-The built-ins (``models.reward.args_dict.advantage_estimator``; default the engine's,
-:data:`chatlearn.config.engines.ENGINES`, so the choice is never guessed from which keys a batch carries):
+The built-ins (``models.reward.args_dict.advantage_estimator``; default the one the engine's trainer declares,
+``default_advantage_estimator`` of its module class, so the choice is never guessed from which keys a batch
+carries):
 
 * ``gae``: PPO's, a critic's values and GAE over KL-penalised per-token rewards;
 * ``grpo``: each response against its prompt's group, ``(r - mean) / (std + eps)`` (ChatLearn's population std);

@@ -114,6 +114,9 @@ class GRPOPolicyTrainer(CausalLMTrainer):
     the reference and entropy bonus, each aggregated as ``loss_agg_mode`` over the global batch."""
 
     args_schema = GRPOPolicyArgs
+    default_advantage_estimator = "grpo"  # group-normalised: no critic
+    trains_on_groups = True
+    trains_multi_turn = True
 
     def setup(self) -> None:
         super().setup()

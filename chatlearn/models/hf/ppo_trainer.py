@@ -35,6 +35,8 @@ class PPOPolicyTrainer(CausalLMTrainer):
     """ppo_policy of the RLHF engine: the registered policy loss (``ppo_clip``) on whitened advantages."""
 
     args_schema = PPOPolicyArgs
+    default_advantage_estimator = "gae"  # PPO's: the critic's values
+    trains_multi_turn = True
 
     def setup(self) -> None:
         super().setup()
