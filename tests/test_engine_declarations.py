@@ -3,9 +3,11 @@ resolving and ChatLearn's engine classes all read that; an engine of one's own g
 gets the checks a built-in of its shape gets (no Ray, no Prefect)."""
 
 import os
+import sys
 import textwrap
 
 import pytest
+import yaml
 
 import chatlearn
 from chatlearn.config import ConfigError, EngineChecks, load_config
@@ -102,7 +104,10 @@ def own_engine(tmp_path, monkeypatch):
         "includes: [grpo.yaml]\nruntime:\n  engine: mine.py:MyGRPO\n"
         "models:\n  ppo_policy:\n    args_dict:\n      module: chatlearn.models.hf.grpo_trainer:GRPOPolicyTrainer\n")
     monkeypatch.chdir(tmp_path)
-    return str(project / "run.yaml")
+    path = list(sys.path)
+    yield str(project / "run.yaml")
+    sys.path[:] = path  # the import of mine.py put its folder there: the next test's mine.py is another file
+    sys.modules.pop("mine", None)
 
 
 def test_an_engine_of_ones_own_named_by_the_config_gets_grpos_checks(own_engine):
@@ -175,7 +180,36 @@ class OwnTrainer(BaseModule):
     """A trainer module of one's own: it declares nothing of what it reads."""
 
 
-def test_a_flow_that_cannot_feed_what_the_config_asks_is_refused():
+def test_a_flow_that_cannot_feed_what_the_config_asks_is_refused(own_engine):
+    # an environment that only generates: the GRPO trainer would find no advantages at its first step
+    with open(os.path.join(os.path.dirname(own_engine), "mine.py"), "a") as f:
+        f.write(textwrap.dedent('''
+
+            class Unscored(chatlearn.Engine):
+                def __init__(self, policy, ppo_policy):
+                    def env_flow(batch):
+                        return policy.forward_step(batch)
+
+                    def trainer_flow(batch):
+                        ppo_policy.train_step(batch)
+
+                    super().__init__(chatlearn.Environment(env_flow), chatlearn.Trainer(trainer_flow))
+                    self.set_parameter_sync(ppo_policy, policy)
+        '''))
+    raw = yaml.safe_load(open(GRPO_YAML))
+    del raw["models"]["reference"], raw["models"]["reward"]
+    for model in raw["models"].values():
+        model["model_config_file"] = os.path.join(REPO, "configs", model["model_config_file"])
+    raw["models"]["ppo_policy"]["args_dict"].update(kl_coef=0.0, module=BUILT_IN["grpo"].module_classes["ppo_policy"])
+    raw["runtime"].update(engine="mine.py:Unscored", colocation=["policy,ppo_policy"],
+                          data_path=os.path.join(REPO, "configs", "data", "max_digit_train.jsonl"))
+    unscored = os.path.join(os.path.dirname(own_engine), "unscored.yaml")
+    with open(unscored, "w") as f:
+        yaml.safe_dump(raw, f)
+    assert problems(unscored, NO_EVAL) == [
+        "runtime.engine: the mine.py:Unscored engine trains ['ppo_policy'] on advantages ('grpo' by default), but "
+        "its environment flow makes none: after generation it calls no model's forward_step (a reward's makes "
+        "them)"]
     # GRPOMath's flow scores with two rewards and never runs the trainer's forward pass
     assert problems(os.path.join(REPO, "configs", "grpo_math.yaml"),
                     ["models.ppo_policy.args_dict.old_logprobs=trainer"]) == [

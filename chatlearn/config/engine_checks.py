@@ -699,8 +699,13 @@ def _advantage_estimator(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, mo
     """The advantage estimator of each reward that makes the experience (``args_dict.advantage_estimator``, else
     the one the engine's trainer declares: `EngineSpec.advantage_estimator`) is named and reads only what the
     engine's models make (its reward module says what an estimator reads: ``estimator_inputs``). (An unknown
-    name is the reward's ``args_schema``'s error.)"""
+    name is the reward's ``args_schema``'s error.) A trainer that trains on advantages needs an environment that
+    makes them: a model's ``forward_step`` after generation (a reward's)."""
     problems = []
+    if spec.advantage_estimator is not None and not any(method == "forward_step" for _, method in spec.scorers):
+        problems.append(f"runtime.engine: the {engine} engine trains {list(spec.trainers)} on advantages "
+                        f"({spec.advantage_estimator!r} by default), but its environment flow makes none: after "
+                        "generation it calls no model's forward_step (a reward's makes them)")
     for name in _experience_rewards(cfg, spec, modules, engine, "estimator_inputs"):
         pre = f"models.{name}.args_dict.advantage_estimator"
         given = (cfg.models[name].args_dict or {}).get("advantage_estimator")
