@@ -177,7 +177,7 @@ class EngineFlows:
     # -- compiling ------------------------------------------------------------------------------------------
     def compile(self, cfg: ChatLearnConfig | None) -> tuple[EpisodePlan, dict[str, Step]]:
         """Trace the flows (for the run of ``cfg``, which a flow may read: `flow_args`) into the plan; the
-        modules they call become ``self.modules``, in the constructor's order."""
+        modules they call become ``self.modules``, in placement order (`constructor_order`)."""
         flows: dict[str, ComputeFlow] = {}
         steps: dict[str, Step] = {}
         modules: dict[str, BaseModule] = {}
@@ -252,8 +252,7 @@ def _stand_in(role: str, cfg: ChatLearnConfig | None, defaults: Mapping[str, str
 def default_estimator(plan: EpisodePlan, modules: dict[str, BaseModule]) -> str | None:
     """The advantage estimator an engine's experience is made for: the first trained model's module that declares
     one (PPO's trainer GAE, GRPO's and online DPO's the group one); None where no trainer does."""
-    return next((d for t in plan.trainers
-                 if (d := getattr(type(modules[t]), "default_advantage_estimator", None)) is not None), None)
+    return next((d for t in plan.trainers if (d := type(modules[t]).default_advantage_estimator) is not None), None)
 
 
 def _checked(flow: ComputeFlow) -> ComputeFlow:
