@@ -34,7 +34,7 @@ from typing import Any
 from chatlearn.checkpoint.run_config import RunDirConflict, inspect_run_dir
 from chatlearn.config import ChatLearnConfig, ConfigError, ConfigWarning, EngineChecks, load_config
 from chatlearn.config.engine_checks import engine_name
-from chatlearn.config.engines import ENGINES
+from chatlearn.config.engines import engine_class
 from chatlearn.data.prompts import DataError
 from chatlearn.runtime.calls.stopping import stop_on_signals
 from chatlearn.runtime.cluster.dlc import DLCNode, dlc_head, dlc_node, serve_as_worker
@@ -69,8 +69,7 @@ def cmd_config(items: list[str], check: bool = False) -> int:
 
 def cmd_plan(items: list[str], nodes: int, gpus_per_node: int, cpus_per_node: float | None) -> int:
     cfg = _load(items)
-    spec = ENGINES.get(engine_name(cfg))
-    names = [r for r in spec.roles if r in cfg.models] if spec is not None else list(cfg.models)
+    names = [r for r in engine_class(engine_name(cfg)).model_roles() or () if r in cfg.models]
     plan = plan_placement(cfg, names, uniform_cluster(nodes, gpus_per_node, cpus_per_node))
     for msg in plan.warnings:
         print(f"chatlearn: warning: placement: {msg}", file=sys.stderr)

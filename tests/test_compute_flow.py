@@ -165,14 +165,22 @@ def test_a_flow_calling_a_model_the_config_lacks_is_a_config_error(tmp_path):
     engine = Engine(Environment(env_flow), Trainer(trainer_flow), name="custom").set_parameter_sync(trainer, policy)
     cfg = f"{REPO}/configs/default.yaml"
     with pytest.raises(ConfigError) as err:
-        load_config(cfg, [], [EngineChecks(engine.name, {}, engine.spec())])
+        load_config(cfg, [], [EngineChecks(engine.name, {}, engine.spec)])
     problems = str(err.value)
     assert "models: the custom engine needs models named ['policy', 'judge', 'reward', 'ppo_policy']; missing " \
         "['judge']" in problems
-    assert "models.reward.args_dict.advantage_estimator: the custom engine has no default advantage estimator " \
-        "and reward makes its experience; name one (e.g. gae, grpo)" in problems
+    # its trainer (a module of one's own) declares no advantage estimator: the reward making the experience
+    # names one
+    assert "models.reward.args_dict.advantage_estimator: reward makes the experience, but no model the custom " \
+        "engine trains declares the advantage estimator it trains on (a module's default_advantage_estimator); " \
+        "name one (e.g. gae, grpo)" in problems
     # the default config's value and ppo_value are models this engine does not use
     assert "models.value: the custom engine does not use a model named 'value'" in problems
+    # no evaluator flow: the eval the default config asks for is refused, not skipped
+    assert "runtime.eval_episode_interval: 2 evaluates every 2 episode(s), but the 'custom' engine has no " \
+        "evaluator flow (a chatlearn.Evaluator) to run it; set it to 0" in problems
+    assert "runtime.enable_eval_before_training: true evaluates before the first episode, but the 'custom' " \
+        "engine has no evaluator flow (a chatlearn.Evaluator) to run it; set it to false" in problems
 
 
 def test_the_rlhf_engine_built_in_code_and_from_the_config_are_one_plan():

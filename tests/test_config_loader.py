@@ -9,7 +9,7 @@ import pytest
 
 from chatlearn.config import ConfigError, ConfigWarning, load_config, load_config_dict, load_yaml_with_includes
 from chatlearn.config.envvars import parse_value
-from chatlearn.config.loader import deep_merge
+from chatlearn.config.loader import configs_dir, deep_merge
 
 
 def write(path: Path, text: str) -> Path:
@@ -274,8 +274,44 @@ def test_model_config_file_missing(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(main)
     assert info.value.problems == [
-        f"models.policy.model_config_file: file not found: {tmp_path / 'gone.yaml'}"
+        f"models.policy.model_config_file: file not found: {tmp_path / 'gone.yaml'} (nor "
+        f"{configs_dir() / 'gone.yaml'})"
     ]
+
+
+def test_includes_and_model_config_files_follow_one_rule(tmp_path, monkeypatch):
+    """A file name a config gives is looked up beside the main config, then beside the file that names it, then
+    (a bare name) among the packaged configs: the same for an include and for a model_config_file."""
+    monkeypatch.chdir(tmp_path)
+    own = tmp_path / "mine"
+    # one's own config, outside the repository, including a packaged config and naming a packaged model file
+    mine = write(own / "run.yaml", "includes: [grpo.yaml]\nmodels:\n  policy:\n    model_config_file: "
+                                   "tiny_qwen2.yaml\n")
+    cfg = load_config(mine)
+    assert cfg.models["policy"].args_dict["tiny_model"]["architecture"] == "qwen2"
+    # what the included packaged config names itself comes from the package too
+    assert cfg.models["reference"].model_config_file == str(configs_dir() / "tiny_llama.yaml")
+    # a file of that name beside one's own config wins, for both kinds, wherever the name is written
+    write(own / "tiny_qwen2.yaml", "hidden_size: 24\n")
+    write(own / "tiny_llama.yaml", "hidden_size: 16\n")
+    write(own / "grpo.yaml", "includes: [" + str(configs_dir() / "grpo.yaml") + "]\n"
+                             "runtime:\n  exp_name: from_beside\n")
+    cfg = load_config(mine)
+    assert cfg.runtime.exp_name == "from_beside"
+    assert cfg.models["policy"].args_dict["hidden_size"] == 24 and "tiny_model" not in cfg.models["policy"].args_dict
+    assert cfg.models["reference"].args_dict == {"hidden_size": 16}
+    # an include's own folder comes after the main config's, for its includes and its model files alike
+    write(tmp_path / "lib" / "base.yaml", "includes: [part.yaml]\nmodels:\n  policy:\n    num_cpu: 1\n"
+                                          "    model_config_file: model.yaml\n")
+    write(tmp_path / "lib" / "part.yaml", "runtime:\n  exp_name: lib_part\n")
+    write(tmp_path / "lib" / "model.yaml", "hidden_size: 8\n")
+    main = write(own / "two.yaml", "includes: [../lib/base.yaml]\n")
+    cfg = load_config(main)
+    assert (cfg.runtime.exp_name, cfg.models["policy"].args_dict) == ("lib_part", {"hidden_size": 8})
+    write(own / "part.yaml", "runtime:\n  exp_name: main_part\n")
+    write(own / "model.yaml", "hidden_size: 12\n")
+    cfg = load_config(main)
+    assert (cfg.runtime.exp_name, cfg.models["policy"].args_dict) == ("main_part", {"hidden_size": 12})
 
 
 def test_model_config_file_pp_and_zero_override(tmp_path):

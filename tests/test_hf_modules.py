@@ -64,8 +64,9 @@ def test_reference_and_trainer_logprobs_match_the_sampler_before_training(rollou
 
 def experience(out, tiny_model_dir):
     value = bound(ValueModel, "value", {"model_path": tiny_model_dir})
+    # a reward alone, outside an engine: no trainer tells it its estimator, so it names PPO's
     reward = bound(RuleReward, "reward", {"reward_fn": "chatlearn.tasks.max_digit:max_digit_reward",
-                                          "kl_coef": 0.1})
+                                          "kl_coef": 0.1, "advantage_estimator": "gae"})
     data = dict(out, ref_logprobs=out["logprobs"] - 0.1, values=value.forward_step(out, 0)["values"])
     return {**data, **reward.forward_step(data, 0)}
 

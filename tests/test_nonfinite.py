@@ -70,8 +70,8 @@ def test_a_rule_reward_that_is_not_a_finite_number_names_the_hook_and_the_sample
 
 def test_a_nonfinite_score_or_advantage_in_the_experience_names_the_sample():
     reward = RuleReward("reward")
-    reward.bind(ModelConfig(num_cpu=1, args_dict={"reward_fn": "chatlearn.tasks.max_digit:max_digit_reward"}),
-                RuntimeConfig(), 0, seed=7)
+    reward.bind(ModelConfig(num_cpu=1, args_dict={"reward_fn": "chatlearn.tasks.max_digit:max_digit_reward",
+                                                  "advantage_estimator": "gae"}), RuntimeConfig(), 0, seed=7)
     reward.setup()
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     data = {"prompt": ["max 1 2 ?", "max 7 3 ?"], "sample_id": [36, 37], "response_mask": mask,

@@ -1,11 +1,13 @@
-"""A user's project outside the repository: the installed `chatlearn` command run there, with a reward function,
-a helper it imports, a module class next to the config and an eval hook in the file form, no PYTHONPATH; and its
+"""A user's project outside the repository: the installed `chatlearn` command run there, with an engine of its
+own (ChatLearn's documented style, on GRPO's models, its estimator the GRPO trainer's), a reward function, a
+helper it imports, a module class next to the config and an eval hook in the file form, no PYTHONPATH; and its
 run directory keeps its run (complete, refused, continued).
 
-The driver imports the hooks for the checks, the Ray workers import the reward (fanned-out Ray tasks) and
-unpickle the module class (the policy's actor), so both sides find the user's folders. The same command again
-says the run is complete and changes nothing; a config that changes results is refused naming the fields and
-changes nothing; a larger num_episode continues from the checkpoint the last episode always leaves.
+The driver imports the engine and the hooks for the checks, the Ray workers import the reward (fanned-out Ray
+tasks) and unpickle the module class (the policy's actor), so both sides find the user's folders. A model config
+file named without a folder is the packaged one, as an include is. The same command again says the run is
+complete and changes nothing; a config that changes results is refused naming the fields and changes nothing; a
+larger num_episode continues from the checkpoint the last episode always leaves.
 """
 
 import json
@@ -22,15 +24,42 @@ SMALL = ["runtime.sample_per_episode=16", "runtime.generation_batch_size=16", "r
 
 CONFIG = f"""includes: [{REPO}/configs/grpo.yaml]
 runtime:
+  engine: myengine.py:MyGRPO                        # next to this config
   eval_post_process_fn: hooks/evalhook.py:metrics   # the file form, relative to where the command runs
   exp_name: mine
 models:
   policy:
     args_dict:
       module: mypolicy:MyPolicy                     # next to this config; its actor unpickles it on a worker
+  reference:
+    model_config_file: tiny_llama.yaml              # not beside this config: the packaged one
   reward:
     args_dict:
       reward_fn: myreward:quarter                   # next to this config; imports its neighbour
+  ppo_policy:
+    args_dict:
+      module: chatlearn.models.hf.grpo_trainer:GRPOPolicyTrainer   # its estimator is the reward's default
+"""
+
+ENGINE = """import chatlearn
+
+
+class MyGRPO(chatlearn.Engine):
+    def __init__(self, policy, reference, reward, ppo_policy):
+        def env_flow(batch):
+            policy_out = policy.forward_step(batch)
+            ref_out = reference.forward_step(policy_out)
+            return reward.forward_step(policy_out, ref_out)
+
+        def trainer_flow(batch):
+            ppo_policy.train_step(batch)
+
+        def eval_flow(batch):
+            return reward.eval_forward(policy.eval_forward(batch))
+
+        super().__init__(chatlearn.Environment(env_flow), chatlearn.Trainer(trainer_flow),
+                         chatlearn.Evaluator(eval_flow))
+        self.set_parameter_sync(ppo_policy, policy)
 """
 
 
@@ -43,6 +72,7 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
                                                                                      tmp_path):
     project = tmp_path / "project"
     write(project / "conf" / "run.yaml", CONFIG)
+    write(project / "conf" / "myengine.py", ENGINE)
     write(project / "conf" / "reward_parts.py", "VALUE = 0.25\n")
     write(project / "conf" / "myreward.py", "from reward_parts import VALUE\n\n\ndef quarter(sample):\n"
                                             "    return VALUE\n")
@@ -60,6 +90,7 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
     run_dir = out / "mine"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["episode"], r["reward_mean"], r["eval_results_seen"]) for r in rows] == [(1, 0.25, 128)]
+    assert rows[0]["train_steps"] == 1  # it trained (a constant reward: zero group advantages)
     kept = {p: (run_dir / p).read_bytes() for p in ("metrics.jsonl", "final/policy/model.safetensors")}
     # the terminal as a user sees it (not a TTY here): no progress bar redraws, none of Prefect's per-flow INFO
     # lines (they are in run_dir/chatlearn.log; an episode's task runs log theirs at DEBUG, task_runs.py), one

@@ -228,6 +228,8 @@ def test_every_config_field_that_names_code_is_pinned():
 # these) fails the test below: pin the field it imports (CODE_FIELDS) and add it here.
 IMPORTERS = {
     ("chatlearn/config/engine_checks.py", "import_object"),  # runtime.engine, models.*.args_dict.module
+    ("chatlearn/config/engines.py", "import_object"),  # runtime.engine
+    ("chatlearn/runtime/plan.py", "import_object"),  # models.*.args_dict.module (the checks' stand-ins)
     ("chatlearn/config/engine_checks.py", "import_class"),  # runtime.agent.env
     ("chatlearn/envs/base.py", "import_class"),  # runtime.agent.env
     ("chatlearn/envs/gym.py", "import_object"),  # runtime.agent.env_args.factory

@@ -227,10 +227,9 @@ def test_chatlearns_custom_flow_example_runs_unchanged(prefect_api, ray_session,
     RewardInference = HookedReward  # noqa: N806  # the example's class name for a reward module
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
-    # an Engine of one's own has no default advantage estimator: the reward that makes the experience names GAE
+    # no advantage estimator named: the reward runs the one its trainer (PPO's) trains on, GAE
     cfg = chatlearn.init(small_config(tmp_path, tiny_model_dir, "engine", "runtime.save_episode_interval=1",
-                                      "runtime.eval_episode_interval=1", "runtime.enable_eval_before_training=false",
-                                      "models.reward.args_dict.advantage_estimator=gae"))
+                                      "runtime.eval_episode_interval=1", "runtime.enable_eval_before_training=false"))
     train_prompts, val_prompts = load_records(cfg.runtime.data_path), load_records(cfg.runtime.eval_data_path)
 
     engine = documented_engine(PolicyInference, ValueInference, PolicyReference, RewardInference, PolicyTrainer,

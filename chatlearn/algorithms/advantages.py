@@ -11,8 +11,9 @@ One contract for every algorithm, ``fn(batch, args) -> dict``, registered by nam
   per sequence ``[B]`` (the ``shape`` it registers with; a trainer takes the shapes it declares, so GRPO's
   per-sequence advantages are refused for the PPO trainer by the config check).
 
-The built-ins (``models.reward.args_dict.advantage_estimator``; default the engine's,
-:data:`chatlearn.config.engines.ENGINES`, so the choice is never guessed from which keys a batch carries):
+The built-ins (``models.reward.args_dict.advantage_estimator``; default the one the engine's trainer declares,
+``default_advantage_estimator`` of its module class, so the choice is never guessed from which keys a batch
+carries):
 
 * ``gae``: PPO's, a critic's values and GAE over KL-penalised per-token rewards;
 * ``grpo``: each response against its prompt's group, ``(r - mean) / (std + eps)`` (ChatLearn's population std);

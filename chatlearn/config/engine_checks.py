@@ -7,19 +7,18 @@ problem. Plain ``chatlearn config`` does not run them: it resolves any config Ch
 """
 
 import contextlib
-import inspect
 import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from chatlearn.config.engines import ENGINES, EngineSpec, default_module
-from chatlearn.config.errors import ConfigWarning, did_you_mean
+from chatlearn.config.engines import DEFAULT_MODULES, EngineSpec, engine_class
+from chatlearn.config.errors import ConfigError, ConfigWarning, did_you_mean
 from chatlearn.config.model import PARALLEL_KEYS
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.config.support import unsupported_values
@@ -34,10 +33,22 @@ def engine_name(cfg: ChatLearnConfig, engine: str | None = None) -> str:
     return engine or cfg.runtime.engine
 
 
-def module_class_path(name: str, cfg: ChatLearnConfig, engine: str | None = None) -> str | None:
-    """``args_dict.module`` of a model, else the engine's built-in module of its name (None if none)."""
+def module_class_path(name: str, cfg: ChatLearnConfig, engine: str | Mapping[str, str] | None = None) -> str | None:
+    """``args_dict.module`` of a model, else the module its engine runs for that name (None if none). ``engine``
+    is the engine's name (default ``runtime.engine``), or its class's ``module_classes``."""
     args = cfg.models[name].args_dict if name in cfg.models else {}
-    return args.get("module") or default_module(engine_name(cfg, engine), name)
+    return args.get("module") or _engine_modules(engine if engine is not None else cfg.runtime.engine).get(name)
+
+
+def _engine_modules(engine: str | Mapping[str, str]) -> Mapping[str, str]:
+    """The modules an engine runs by model name (an engine built in code under no importable name: the defaults
+    of the names)."""
+    if not isinstance(engine, str):
+        return engine
+    try:
+        return engine_class(engine).module_classes
+    except ConfigError:
+        return DEFAULT_MODULES
 
 
 @dataclass
@@ -50,7 +61,9 @@ class EngineChecks:
 
     engine: str | None = None
     modules: Mapping[str, Any] = field(default_factory=dict)
-    spec: EngineSpec | None = None  # an engine built in code that is not a registered one gives its own
+    # an engine object built in code gives its own (`EngineFlows.spec`: its flows as traced for the config);
+    # otherwise the class runtime.engine names declares it (`EngineFlows.declared`)
+    spec: Callable[[ChatLearnConfig], EngineSpec] | None = None
     data_given: bool = False  # the engine was given its prompts in code (``set_dataset``)
 
     def __call__(self, cfg: ChatLearnConfig) -> list[str]:
@@ -59,11 +72,9 @@ class EngineChecks:
 
     def _problems(self, cfg: ChatLearnConfig) -> list[str]:
         name = engine_name(cfg, self.engine)
-        spec = self.spec or ENGINES.get(name)
+        spec, problem = (self.spec(cfg), "") if self.spec is not None else _imported_spec(name, cfg, self.modules)
         if spec is None:
-            spec, problem = _imported_spec(name)
-            if spec is None:
-                return [problem]
+            return [problem]
         if self.data_given:
             spec = spec._replace(needs_train_data=False)
         roles = [r for r in spec.roles if r in cfg.models or r in self.modules]
@@ -73,9 +84,10 @@ class EngineChecks:
         problems += _hooks(cfg)
         problems += _layout(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _groups(cfg, name, spec, self.modules)
+        problems += _evaluation(cfg, name, spec)
         problems += _lora(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _packing(cfg, [r for r in roles if r in cfg.models], self.modules, name)
-        problems += _old_logprobs(cfg, name)
+        problems += _old_logprobs(cfg, name, spec, self.modules)
         problems += _rollout_engine(cfg, [r for r in roles if r in cfg.models], self.modules, name)
         problems += _advantage_shape(cfg, name, spec, roles, self.modules)
         problems += _environment_args(cfg)
@@ -91,22 +103,16 @@ class EngineChecks:
         return problems
 
 
-def _imported_spec(name: str) -> tuple[EngineSpec | None, str]:
-    """The spec of an engine class named by import path (``package.module:Class``, or ``file.py:Class`` next to
-    the config): its models are its constructor's parameters (as ChatLearn's engines take them)."""
-    known = f"runtime.engine: unknown engine {name!r}; known: {sorted(ENGINES)}, or an Engine subclass as " \
-            "'package.module:Class' (or 'file.py:Class' next to the config)"
-    if ":" not in name:
-        return None, known
+def _imported_spec(name: str, cfg: ChatLearnConfig, modules: Mapping[str, Any]) -> tuple[EngineSpec | None, str]:
+    """The spec of the engine class ``runtime.engine`` names (a built-in, or one's own by import path: one rule,
+    `chatlearn.config.engines.engine_class`), as it declares it for this config and the models given in code;
+    else the one-line problem."""
     try:
-        cls = import_object(name, "Class")
-    except ValueError as exc:
-        return None, f"runtime.engine: {exc}"
-    if not isinstance(cls, type) or not any(b.__name__ == "Engine" and b.__module__ == "chatlearn.runtime.engine"
-                                            for b in cls.__mro__):
-        return None, f"runtime.engine: {name} is not a chatlearn.Engine subclass"
-    roles = tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
-    return EngineSpec(roles=roles), ""
+        return engine_class(name).declared(cfg, modules), ""
+    except ConfigError as exc:  # an unknown engine, or a flow of one's own that cannot be traced (FlowError)
+        return None, "; ".join(exc.problems)
+    except Exception as exc:  # noqa: BLE001  # a constructor of one's own that fails on the config's models
+        return None, f"runtime.engine: {name}({', '.join(cfg.models)}) raised {type(exc).__name__}: {exc}"
 
 
 @contextlib.contextmanager
@@ -298,25 +304,32 @@ def _sync_frequency(cfg: ChatLearnConfig, spec: EngineSpec) -> list[str]:
 
 
 def _pipelined(cfg: ChatLearnConfig, engine: str, spec: EngineSpec) -> list[str]:
-    """``runtime.max_staleness`` > 0 overlaps the generating model (the policy, receiving the trainer's weights)
-    with scoring and training: it needs processes of its own and a sync every episode (its old log-probs:
-    `_old_logprobs`)."""
+    """``runtime.max_staleness`` > 0 overlaps the generating model (the producer, receiving the trainer's
+    weights) with scoring and training: it needs processes of its own and a sync every episode (its old
+    log-probs: `_old_logprobs`)."""
     k, rt = cfg.runtime.max_staleness, cfg.runtime
     if k == 0:
         return []
-    # the built-in engines generate with `policy`, the inference copy of `ppo_policy`
-    src = next((s for s, d in spec.sync if d == "policy" and s in cfg.models and d in cfg.models), None)
+    producer, src = _generator(cfg, spec)
     if src is None:
         return [f"runtime.max_staleness: {k}, but the {engine!r} engine does not generate with a copy of the model "
                 f"it trains (a policy synced from ppo_policy): there is nothing to overlap; leave it at 0"]
-    problems = [f"runtime.colocation: 'policy' is colocated with {[m for m in group if m != 'policy']}, but "
+    problems = [f"runtime.colocation: {producer!r} is colocated with {[m for m in group if m != producer]}, but "
                 f"runtime.max_staleness: {k} runs its generation while {src!r} trains: it needs processes of its own "
                 f"(take it out of the group, or set max_staleness: 0)"
-                for group in rt.colocation_groups if "policy" in group and len(group) > 1]
-    if cfg.models["policy"].sync_frequency != 1:
-        problems.append(f"models.policy.sync_frequency: {cfg.models['policy'].sync_frequency} with runtime."
+                for group in rt.colocation_groups if producer in group and len(group) > 1]
+    if cfg.models[producer].sync_frequency != 1:
+        problems.append(f"models.{producer}.sync_frequency: {cfg.models[producer].sync_frequency} with runtime."
                         f"max_staleness: {k} is not supported yet (the pipeline syncs every episode); set it to 1")
     return problems
+
+
+def _generator(cfg: ChatLearnConfig, spec: EngineSpec) -> tuple[str, str | None]:
+    """The engine's producer and the trained model it is synced from, when the config has both (a generation on
+    the trainer's weights: what pipelining, partial rollouts and agents continue); else (producer, None)."""
+    producer = spec.producer or ""
+    src = spec.synced_into(producer)
+    return producer, src if src in cfg.models and producer in cfg.models else None
 
 
 def _dynamic_sampling(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
@@ -330,11 +343,12 @@ def _dynamic_sampling(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modul
             return ["runtime.max_sampling_rounds: only used with runtime.dynamic_sampling: true; remove it"]
         return []
     problems = []
-    if not (spec.groups or group_size(cfg) > 1):
+    producer = spec.producer or "policy"
+    if not (spec.groups or group_size(cfg, producer) > 1):
         problems.append("runtime.dynamic_sampling: drops prompt groups whose responses all score the same, but "
-                        f"the {engine!r} engine samples one response per prompt; set models.policy.args_dict."
+                        f"the {engine!r} engine samples one response per prompt; set models.{producer}.args_dict."
                         "num_inference_per_prompt to 2 or more, or dynamic_sampling to false")
-    if not spec.trains or "reward" not in spec.roles:
+    if not spec.trains or not spec.scorers:
         problems.append(f"runtime.dynamic_sampling: the {engine!r} engine scores no generated responses; set it to "
                         "false")
     if rt.stream_data_loader_type != "dynamic":
@@ -351,8 +365,9 @@ def _dynamic_sampling(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modul
 
 
 def _agent(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
-    """``runtime.task_type: agent``: the policy (synced from a trainer, as a partial rollout's) continues its
-    conversations turn by turn (``continues_responses``); the environment class loads and has reset/step."""
+    """``runtime.task_type: agent``: the producer (synced from a trainer that trains multi-turn samples, as a
+    partial rollout's) continues its conversations turn by turn (``continues_responses``); the environment class
+    loads and has reset/step."""
     rt = cfg.runtime
     agent = rt.agent
     if rt.task_type != "agent":  # a value other than the default (a deployment's form sends every field)
@@ -360,8 +375,8 @@ def _agent(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping
         changed = [f for f in type(agent).model_fields if getattr(agent, f) != getattr(default, f)]
         return [f"runtime.agent.{f}: only used with runtime.task_type: agent; remove it" for f in changed]
     problems = []
-    src = next((s for s, d in spec.sync if d == "policy" and s in cfg.models and d in cfg.models), None)
-    if src is None or engine in ("online_dpo",):
+    producer, src = _generator(cfg, spec)
+    if src is None or not spec.multi_turn:
         problems.append(f"runtime.task_type: agent: the {engine!r} engine has no policy-gradient trainer for "
                         "multi-turn samples; use grpo, rlhf (PPO) or an engine of theirs")
     if agent.env is None:
@@ -371,60 +386,60 @@ def _agent(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping
             import_class(agent.env, ("reset", "step"), "an environment class")
         except (ValueError, TypeError) as exc:
             problems.append(f"runtime.agent.env: {exc}")
-    cls = _module_class("policy", cfg, modules, engine)
+    cls = _module_class(producer, cfg, modules, engine) if producer in cfg.models else None
     if cls is not None and not getattr(cls, "continues_responses", False):
-        problems.append(f"runtime.task_type: agent: models.policy's module {cls.__name__} cannot continue a "
+        problems.append(f"runtime.task_type: agent: models.{producer}'s module {cls.__name__} cannot continue a "
                         "conversation (continues_responses); multi-turn rollouts need the built-in policy")
     for name, on in (("max_staleness", rt.max_staleness > 0), ("use_partial_rollout", rt.use_partial_rollout),
                       ("dynamic_sampling", rt.dynamic_sampling)):
         if on:
             problems.append(f"runtime.{name} with runtime.task_type: agent is not supported yet (multi-turn "
                             "samples are generated one episode at a time); turn one of them off")
-    policy = cfg.models.get("policy")
+    policy = cfg.models.get(producer)
     new_tokens = (policy.args_dict or {}).get("max_new_tokens") if policy is not None else None
     if isinstance(new_tokens, int) and new_tokens > agent.max_total_tokens:
-        problems.append(f"runtime.agent.max_total_tokens: {agent.max_total_tokens} is less than models.policy "
+        problems.append(f"runtime.agent.max_total_tokens: {agent.max_total_tokens} is less than models.{producer} "
                         f"max_new_tokens ({new_tokens}): not even one answer fits")
     return problems
 
 
 def _partial_rollout(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
-    """``runtime.use_partial_rollout``: the policy (synced from the trainer every episode, as a pipelined run's)
-    continues responses over several episodes (``continues_responses`` on its module class), each round's token
-    budget at least one token; ``mini_response_per_prompt`` below the group size (ChatLearn's assert);
+    """``runtime.use_partial_rollout``: the producer (synced from the trainer every episode, as a pipelined
+    run's) continues responses over several episodes (``continues_responses`` on its module class), each round's
+    token budget at least one token; ``mini_response_per_prompt`` below the group size (ChatLearn's assert);
     an episode trains the groups that finished, so the loader must take what it is given."""
     rt = cfg.runtime
     if not rt.use_partial_rollout:
         return []
     prc = rt.partial_rollout_manager_config
-    src = next((s for s, d in spec.sync if d == "policy" and s in cfg.models and d in cfg.models), None)
+    producer, src = _generator(cfg, spec)
     if src is None:
         return [f"runtime.use_partial_rollout: the {engine!r} engine does not generate with a copy of the model it "
                 "trains (a policy synced from ppo_policy): there are no responses to continue; set it to false"]
     problems = []
-    cls = _module_class("policy", cfg, modules, engine)
+    cls = _module_class(producer, cfg, modules, engine)
     if cls is not None and not getattr(cls, "continues_responses", False):
-        problems.append(f"runtime.use_partial_rollout: models.policy's module {cls.__name__} cannot continue a "
+        problems.append(f"runtime.use_partial_rollout: models.{producer}'s module {cls.__name__} cannot continue a "
                         "response (continues_responses); partial rollouts need the built-in policy")
     if rt.stream_data_loader_type != "dynamic":
         problems.append(f"runtime.stream_data_loader_type: {rt.stream_data_loader_type!r} trains exactly "
                         "sample_per_episode samples, but with use_partial_rollout an episode trains the groups that "
                         "finished (their number varies); set it to 'dynamic'")
-    if cfg.models["policy"].sync_frequency != 1:
-        problems.append(f"models.policy.sync_frequency: {cfg.models['policy'].sync_frequency} with runtime."
+    if cfg.models[producer].sync_frequency != 1:
+        problems.append(f"models.{producer}.sync_frequency: {cfg.models[producer].sync_frequency} with runtime."
                         "use_partial_rollout is not supported yet (a round continues on the next episode's weights); "
                         "set it to 1")
-    n = group_size(cfg)
+    n = group_size(cfg, producer)
     mini = prc.mini_response_per_prompt
     if mini is not None and mini >= n:
         problems.append(f"runtime.partial_rollout_manager_config.mini_response_per_prompt: {mini} must be less "
-                        f"than models.policy num_inference_per_prompt ({n}), as ChatLearn asserts")
-    max_new = max_new_tokens(cfg)
+                        f"than models.{producer} num_inference_per_prompt ({n}), as ChatLearn asserts")
+    max_new = max_new_tokens(cfg, producer)
     if isinstance(max_new, int) and max_new > 0:
         budgets = prc.round_budgets(max_new)
         if min(budgets) < 1:
             problems.append(f"runtime.partial_rollout_manager_config.rollout_ratio: {prc.rollout_ratio} of "
-                            f"models.policy max_new_tokens {max_new} gives rounds of {budgets} tokens; every round "
+                            f"models.{producer} max_new_tokens {max_new} gives rounds of {budgets} tokens; every round "
                             "needs at least one (fewer rounds, or a longer max_new_tokens)")
     return problems
 
@@ -442,15 +457,17 @@ def group_size(cfg: ChatLearnConfig, producer: str = "policy") -> int:
 
 
 def _groups(cfg: ChatLearnConfig, name: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
-    """Prompt groups must be whole wherever they are cut: per episode, per generation batch, and (online DPO,
-    whose pairs live inside a group) per training micro-batch. The GRPO KL term needs its reference."""
-    rt, problems = cfg.runtime, []
-    if "policy" not in cfg.models:
+    """Prompt groups must be whole wherever they are cut: per episode, per generation batch, and (a trainer that
+    builds its samples inside each group: online DPO's pairs) per training micro-batch. A trainer's KL term to
+    the reference needs the reference."""
+    problems = _kl_needs_reference(cfg, name, spec, modules)
+    rt, producer = cfg.runtime, spec.producer
+    if producer not in cfg.models:
         return problems
-    raw = (cfg.models["policy"].args_dict or {}).get("num_inference_per_prompt", 1)
+    raw = (cfg.models[producer].args_dict or {}).get("num_inference_per_prompt", 1)
     if not isinstance(raw, int) or raw < 1:
-        return problems  # the policy's args_schema reports it
-    n, pre = raw, "models.policy.args_dict.num_inference_per_prompt"
+        return problems  # the producer's args_schema reports it
+    n, pre = raw, f"models.{producer}.args_dict.num_inference_per_prompt"
     if spec.groups and n < 2:
         problems.append(f"{pre}: the {name} engine compares several responses to the same prompt; set it to 2 "
                         f"or more (ChatLearn's GRPO examples use 8 to 32), got {n}")
@@ -458,13 +475,13 @@ def _groups(cfg: ChatLearnConfig, name: str, spec: EngineSpec, modules: Mapping[
         if rt.sample_per_episode % n:
             problems.append(f"runtime.sample_per_episode: {rt.sample_per_episode} is not a multiple of {pre} "
                             f"({n}); an episode must hold whole prompt groups")
-        gbs = cfg.models["policy"].generation_batch_size or rt.generation_batch_size
+        gbs = cfg.models[producer].generation_batch_size or rt.generation_batch_size
         if gbs % n:
             problems.append(f"runtime.generation_batch_size: {gbs} is not a multiple of {pre} ({n}); a generation "
                             "batch must hold whole prompt groups")
         if rt.consumed_samples % n:
             problems.append(f"runtime.consumed_samples: {rt.consumed_samples} is not a multiple of {pre} ({n})")
-    if name == "online_dpo" and n > 1:
+    if spec.pairs_in_groups and n > 1:
         micro = rt.train_micro_batch_size
         if micro % n or rt.sample_per_episode % micro:
             problems.append(f"runtime.train_micro_batch_size: online DPO builds its pairs inside each prompt's "
@@ -473,11 +490,50 @@ def _groups(cfg: ChatLearnConfig, name: str, spec: EngineSpec, modules: Mapping[
         if rt.max_relay_episode != 0:
             problems.append("runtime.max_relay_episode: relay is not supported with online DPO yet (a relay hook "
                             "may break prompt groups)")
-    if name == "grpo" and "reference" not in cfg.models and "reference" not in modules and "ppo_policy" in cfg.models:
-        kl = (cfg.models["ppo_policy"].args_dict or {}).get("kl_coef", 0.0)
-        if isinstance(kl, int | float) and kl > 0:
-            problems.append(f"models.ppo_policy.args_dict.kl_coef: {kl} needs a reference model (models.reference);"
-                            " add one or set kl_coef to 0")
+    return problems
+
+
+def _kl_needs_reference(cfg: ChatLearnConfig, name: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
+    """A trainer with a KL loss term (``kl_coef`` in its args: GRPO's) reads the reference's log-probs."""
+    if "reference" in cfg.models or "reference" in modules:
+        return []
+    problems = []
+    for trainer in spec.trainers:
+        kl = _trainer_args(cfg, trainer, modules, name).get("kl_coef", 0.0)
+        if isinstance(kl, int | float) and kl > 0 and "kl_coef" in _arg_fields(trainer, cfg, modules, name):
+            hint = "add one" if "reference" in spec.roles else f"the {name} engine has none"
+            problems.append(f"models.{trainer}.args_dict.kl_coef: {kl} needs a reference model (models.reference); "
+                            f"{hint} or set kl_coef to 0")
+    return problems
+
+
+def _arg_fields(model: str, cfg: ChatLearnConfig, modules: Mapping[str, Any], engine: str) -> dict[str, Any]:
+    """The fields of a model's module's ``args_schema`` ({} for a module without one)."""
+    schema = getattr(_module_class(model, cfg, modules, engine), "args_schema", None)
+    return dict(getattr(schema, "model_fields", {}))
+
+
+def _trainer_args(cfg: ChatLearnConfig, model: str, modules: Mapping[str, Any], engine: str) -> dict[str, Any]:
+    """A model's ``args_dict`` over its module's ``args_schema`` defaults (what the module will read)."""
+    fields = _arg_fields(model, cfg, modules, engine)
+    given = (cfg.models[model].args_dict or {}) if model in cfg.models else {}
+    return {**{k: f.default for k, f in fields.items() if not f.is_required()}, **given}
+
+
+def _evaluation(cfg: ChatLearnConfig, engine: str, spec: EngineSpec) -> list[str]:
+    """An eval asked of a training run needs the engine's evaluator flow (ChatLearn's ``Evaluator``); without
+    one it is refused, not skipped."""
+    rt = cfg.runtime
+    if not spec.trains or spec.evaluates:
+        return []
+    why = f"the {engine!r} engine has no evaluator flow (a chatlearn.Evaluator) to run it"
+    problems = []
+    if rt.eval_episode_interval > 0:
+        problems.append(f"runtime.eval_episode_interval: {rt.eval_episode_interval} evaluates every "
+                        f"{rt.eval_episode_interval} episode(s), but {why}; set it to 0")
+    if rt.enable_eval_before_training:
+        problems.append(f"runtime.enable_eval_before_training: true evaluates before the first episode, but {why}; "
+                        "set it to false")
     return problems
 
 
@@ -589,46 +645,53 @@ def _packing(cfg: ChatLearnConfig, names: list[str], modules: Mapping[str, Any],
     return problems
 
 
-def _old_logprobs(cfg: ChatLearnConfig, engine: str) -> list[str]:
-    """GRPO's old log-probs may come from generation only when the sampler holds the trainer's weights at
-    generation time (synced every episode) and computes log-probs the same way (temperature, dtype)."""
-    if engine != "grpo" or not {"policy", "ppo_policy"} <= set(cfg.models):
+def _old_logprobs(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
+    """A trainer that says where its old log-probs come from (``old_logprobs`` in its args: GRPO's) takes them
+    from generation only when the sampler holds its weights at generation time (synced every episode) and
+    computes log-probs the same way (temperature, dtype); from its own forward pass only when the environment
+    flow calls it (``forward_step``)."""
+    producer, src = _generator(cfg, spec)
+    if src is None or "old_logprobs" not in _arg_fields(src, cfg, modules, engine):
         return []
-    trainer = cfg.models["ppo_policy"].args_dict or {}
+    trainer = cfg.models[src].args_dict or {}
     source, rt = trainer.get("old_logprobs", "generation"), cfg.runtime
     correction = trainer.get("rollout_correction", "none")
+    if source == "trainer" and (src, "forward_step") not in spec.scorers:
+        return [f"models.{src}.args_dict.old_logprobs: trainer takes the old log-probs from {src}'s own forward "
+                f"pass, but the {engine} engine's environment flow never calls {src}.forward_step (they would be "
+                f"the sampler's); use generation or current"]
     if correction != "none" and source not in ("trainer", "current"):
-        return [f"models.ppo_policy.args_dict.rollout_correction: {correction} weighs the proximal policy against "
+        return [f"models.{src}.args_dict.rollout_correction: {correction} weighs the proximal policy against "
                 f"the sampler's, and the proximal log-probs are the trainer's own: set old_logprobs: trainer (its "
                 f"forward pass) or current (the training forward's, one optimizer step per episode; it is {source})"]
     if source == "current":
         # with a correction the detached training log-probs are the proximal policy's and the sampler's the
         # behaviour's, so stale samples are weighed, not mistaken for on-policy ones
         if rt.max_staleness > 0 and correction == "none":
-            return [f"models.ppo_policy.args_dict.old_logprobs: current takes the training forward's own "
+            return [f"models.{src}.args_dict.old_logprobs: current takes the training forward's own "
                     f"log-probs as the old ones, but with runtime.max_staleness: {rt.max_staleness} the samples "
                     f"come from older weights; use generation (the behaviour policy's) or trainer, or keep current "
                     f"with a rollout_correction (it weighs them by the sampler's log-probs)"]
         # a train_global_batch_size <= 0 is the runtime check's to name
         if rt.train_global_batch_size <= 0 or rt.steps_per_episode == 1:
             return []
-        return [f"models.ppo_policy.args_dict.old_logprobs: current takes the training forward's own log-probs as "
+        return [f"models.{src}.args_dict.old_logprobs: current takes the training forward's own log-probs as "
                 f"the old ones, exact only for one optimizer step per episode, but runtime.sample_per_episode "
                 f"{rt.sample_per_episode} over runtime.train_global_batch_size {rt.train_global_batch_size} "
                 f"times runtime.num_training_epoch {rt.num_training_epoch} makes {rt.steps_per_episode}; use "
                 f"generation or trainer"]
     if source != "generation":
         return []
-    policy, problems = cfg.models["policy"].args_dict or {}, []
+    policy, problems = cfg.models[producer].args_dict or {}, []
     why = ("old_logprobs: generation takes the sampler's log-probs as the trainer's; set old_logprobs: trainer for "
            "the trainer's own forward pass")
-    if cfg.models["policy"].sync_frequency != 1:
-        problems.append(f"models.policy.sync_frequency: {cfg.models['policy'].sync_frequency} leaves the policy "
-                        f"behind the trainer between syncs, but {why}")
+    if cfg.models[producer].sync_frequency != 1:
+        problems.append(f"models.{producer}.sync_frequency: {cfg.models[producer].sync_frequency} leaves the "
+                        f"{producer} behind the trainer between syncs, but {why}")
     for key, default in (("temperature", 1.0), ("dtype", "float32")):
         if policy.get(key, default) != trainer.get(key, default):
-            problems.append(f"models.ppo_policy.args_dict.{key}: {trainer.get(key, default)!r} differs from the "
-                            f"policy's {policy.get(key, default)!r}, but {why}")
+            problems.append(f"models.{src}.args_dict.{key}: {trainer.get(key, default)!r} differs from the "
+                            f"{producer}'s {policy.get(key, default)!r}, but {why}")
     return problems
 
 
@@ -637,71 +700,86 @@ REWARD_SETTINGS = ("kl_coef", "kl_estimator", "gamma", "lam")
 
 
 def _reward_settings(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
-    """The reward's experience settings do what the advantage estimator says or are refused: a setting it does
-    not read (GAE's lam under GRPO), a KL penalty with no reference to take it against, and an estimator whose
-    advantages the trainer must whiten over the global batch (REINFORCE++) with the trainer's whitening off. The
-    reward's module class knows the estimators (``estimator_settings``, ``estimator_whitened``)."""
-    if "reward" not in cfg.models:
-        return []
-    cls = _module_class("reward", cfg, modules, engine)
-    settings_of = getattr(cls, "estimator_settings", None)
-    given = (cfg.models["reward"].args_dict or {}).get("advantage_estimator")
-    name = given if given is not None else spec.advantage_estimator
-    reads = settings_of(name) if settings_of is not None and isinstance(name, str) else None
-    if reads is None:
-        return []  # a reward of one's own, or a name its args_schema refuses
-    reward, problems = cfg.models["reward"].args_dict or {}, []
-    for key in REWARD_SETTINGS:
-        if key in reward and key not in reads:
-            hint = (" (the KL loss term is models.ppo_policy.args_dict.kl_coef)"
-                    if key.startswith("kl_") and engine == "grpo" else "")
-            problems.append(f"models.reward.args_dict.{key}: the advantage estimator {name!r} does not use it "
-                            f"(it reads {list(reads) or 'none of ' + str(list(REWARD_SETTINGS))}){hint}; remove it")
-    kl = reward.get("kl_coef")
-    if "kl_coef" in reads and isinstance(kl, int | float) and kl > 0 and "reference" not in cfg.models:
-        problems.append(f"models.reward.args_dict.kl_coef: {kl} penalises the KL to the reference; add "
-                        "models.reference or set kl_coef to 0")
-    limit = reward.get("max_response_length")
-    if reward.get("overlong_buffer_len") and "policy" in cfg.models and limit != max_new_tokens(cfg):
-        problems.append(f"models.reward.args_dict.max_response_length: {limit} is not the policy's max_new_tokens "
-                        f"({max_new_tokens(cfg)}), the length the overlong penalty counts to")
-    trainer = (cfg.models["ppo_policy"].args_dict or {}) if "ppo_policy" in cfg.models else None
-    if cls.estimator_whitened(name) and trainer is not None and engine != "rlhf" \
-            and not trainer.get("whiten_advantages", False):
-        problems.append(f"models.ppo_policy.args_dict.whiten_advantages: the advantage estimator {name!r} is "
-                        "whitened over each global batch by the trainer; set it to true")
+    """The experience settings of each reward that makes the experience do what its advantage estimator says or
+    are refused: a setting it does not read (GAE's lam under GRPO), a KL penalty with no reference to take it
+    against, and an estimator whose advantages the trainer must whiten over the global batch (REINFORCE++) with
+    the trainer's whitening off. The reward's module class knows the estimators (``estimator_settings``,
+    ``estimator_whitened``)."""
+    problems = []
+    _, src = _generator(cfg, spec)
+    for name in _experience_rewards(cfg, spec, modules, engine, "estimator_settings"):
+        cls = _module_class(name, cfg, modules, engine)
+        given = (cfg.models[name].args_dict or {}).get("advantage_estimator")
+        estimator = given if given is not None else spec.advantage_estimator
+        reads = cls.estimator_settings(estimator) if isinstance(estimator, str) else None
+        if reads is None:
+            continue  # no estimator named (`_advantage_estimator`), or one its args_schema refuses
+        pre, reward = f"models.{name}.args_dict", cfg.models[name].args_dict or {}
+        trainer = _arg_fields(src, cfg, modules, engine) if src is not None else {}
+        for key in REWARD_SETTINGS:
+            if key in reward and key not in reads:
+                hint = (f" (the KL loss term is models.{src}.args_dict.kl_coef)"
+                        if key.startswith("kl_") and "kl_coef" in trainer else "")
+                problems.append(f"{pre}.{key}: the advantage estimator {estimator!r} does not use it (it reads "
+                                f"{list(reads) or 'none of ' + str(list(REWARD_SETTINGS))}){hint}; remove it")
+        kl = reward.get("kl_coef")
+        if "kl_coef" in reads and isinstance(kl, int | float) and kl > 0 and "reference" not in cfg.models:
+            problems.append(f"{pre}.kl_coef: {kl} penalises the KL to the reference; add models.reference or set "
+                            "kl_coef to 0")
+        limit = reward.get("max_response_length")
+        if reward.get("overlong_buffer_len") and spec.producer in cfg.models and \
+                limit != max_new_tokens(cfg, spec.producer):
+            problems.append(f"{pre}.max_response_length: {limit} is not the {spec.producer}'s max_new_tokens "
+                            f"({max_new_tokens(cfg, spec.producer)}), the length the overlong penalty counts to")
+        if cls.estimator_whitened(estimator) and "whiten_advantages" in trainer and \
+                not _trainer_args(cfg, src, modules, engine).get("whiten_advantages"):  # type: ignore[arg-type]
+            problems.append(f"models.{src}.args_dict.whiten_advantages: the advantage estimator {estimator!r} is "
+                            "whitened over each global batch by the trainer; set it to true")
     return problems
 
 
+def _experience_rewards(cfg: ChatLearnConfig, spec: EngineSpec, modules: Mapping[str, Any], engine: str,
+                        knows: str) -> list[str]:
+    """The models whose ``forward_step`` in the environment makes the experience's advantages: those whose module
+    class knows the estimators (``knows``: ``estimator_inputs``, ``estimator_settings``)."""
+    return [m for m, method in dict.fromkeys(spec.scorers) if method == "forward_step" and m in cfg.models
+            and getattr(_module_class(m, cfg, modules, engine), knows, None) is not None]
+
+
 # the batch fields an advantage estimator may read (chatlearn.algorithms.registry.ADVANTAGE_ESTIMATOR_INPUTS),
-# by the role of the engine that makes them
+# by the role of the engine that makes them ("policy": the producer, whatever its name)
 _MADE_BY = {"logprobs": "policy", "response_mask": "policy", "ref_logprobs": "reference", "values": "value"}
 
 
 def _advantage_estimator(cfg: ChatLearnConfig, engine: str, spec: EngineSpec, modules: Mapping[str, Any]) -> list[str]:
-    """The reward's advantage estimator (``args_dict.advantage_estimator``, else the engine's: the prepared run
-    sets ``runtime.engine`` to the engine it runs, `chatlearn.runtime.prepared`) reads only what the engine's
-    models make (its reward module says what an estimator reads: ``estimator_inputs``). (An unknown name is the
-    reward's ``args_schema``'s error.)"""
-    if spec.advantage_estimator is None:  # an engine of one's own: its experience makers name theirs
-        return [f"models.{name}.args_dict.advantage_estimator: the {engine} engine has no default advantage "
-                f"estimator and {name} makes its experience; name one (e.g. gae, grpo)"
-                for name in spec.experience if name in cfg.models
-                and getattr(_module_class(name, cfg, modules, engine), "estimator_inputs", None) is not None
-                and not (cfg.models[name].args_dict or {}).get("advantage_estimator")]
-    if "reward" not in cfg.models:
-        return []
-    pre = "models.reward.args_dict.advantage_estimator"
-    given = (cfg.models["reward"].args_dict or {}).get("advantage_estimator")
-    if given is None:
-        given = spec.advantage_estimator
-    inputs_of = getattr(_module_class("reward", cfg, modules, engine), "estimator_inputs", None)
-    inputs = inputs_of(given) if inputs_of is not None and isinstance(given, str) else None
-    if inputs is None:
-        return []  # a reward of one's own, or a name its args_schema refuses
-    made = {field for field, role in _MADE_BY.items() if role in spec.roles}
-    if spec.groups or group_size(cfg) > 1:
-        made.add("group_id")  # the responses to one prompt share it (_groups checks the group size)
-    missing = [f for f in inputs if f not in made]
-    return [f"{pre}: {given!r} reads {missing}, which no model of the {engine} engine makes (the {engine} engine "
-            f"runs {spec.advantage_estimator!r})"] if missing else []
+    """The advantage estimator of each reward that makes the experience (``args_dict.advantage_estimator``, else
+    the one the engine's trainer declares: `EngineSpec.advantage_estimator`) is named and reads only what the
+    engine's models make (its reward module says what an estimator reads: ``estimator_inputs``). (An unknown
+    name is the reward's ``args_schema``'s error.) A trainer that trains on advantages needs an environment that
+    makes them: a model's ``forward_step`` after generation (a reward's)."""
+    problems = []
+    if spec.advantage_estimator is not None and not any(method == "forward_step" for _, method in spec.scorers):
+        problems.append(f"runtime.engine: the {engine} engine trains {list(spec.trainers)} on advantages "
+                        f"({spec.advantage_estimator!r} by default), but its environment flow makes none: after "
+                        "generation it calls no model's forward_step (a reward's makes them)")
+    for name in _experience_rewards(cfg, spec, modules, engine, "estimator_inputs"):
+        pre = f"models.{name}.args_dict.advantage_estimator"
+        given = (cfg.models[name].args_dict or {}).get("advantage_estimator")
+        if given is None and spec.advantage_estimator is None:
+            problems.append(f"{pre}: {name} makes the experience, but no model the {engine} engine trains declares "
+                            "the advantage estimator it trains on (a module's default_advantage_estimator); name "
+                            "one (e.g. gae, grpo)")
+            continue
+        estimator = given if given is not None else spec.advantage_estimator
+        inputs = _module_class(name, cfg, modules, engine).estimator_inputs(estimator)
+        if inputs is None:
+            continue  # a name its args_schema refuses
+        made = {field for field, role in _MADE_BY.items()
+                if (spec.producer if role == "policy" else role) in spec.roles}
+        if spec.groups or group_size(cfg, spec.producer or "policy") > 1:
+            made.add("group_id")  # the responses to one prompt share it (_groups checks the group size)
+        missing = [f for f in inputs if f not in made]
+        if missing:
+            problems.append(f"{pre}: {estimator!r} reads {missing}, which no model of the {engine} engine makes (the "
+                            f"{engine} engine runs {spec.advantage_estimator!r})")
+    return problems

@@ -2,10 +2,11 @@
 
 Follows ChatLearn 1.0.x's loader so its YAML files work unchanged, and fixes its rough edges:
 
-* ``includes:`` (a list, or one name) in any file, resolved against the *main* config's directory unless
-  absolute (falling back to the including file's own directory, then, for a name without a folder such as
-  ``default.yaml``, the packaged configs), recursive, deep-merged so that later includes override earlier ones
-  and the including file overrides all of them; cycles are errors.
+* ``includes:`` (a list, or one name) in any file, found by the one rule for file names a config gives
+  (:func:`find_config_file`: beside the *main* config, ChatLearn's rule, then beside the file that names it,
+  then, for a name without a folder such as ``default.yaml``, among the packaged configs), recursive,
+  deep-merged so that later includes override earlier ones and the including file overrides all of them;
+  cycles are errors.
 * ``${VAR}`` / ``${VAR:default}`` values (:mod:`chatlearn.config.envvars`), substituted file by file as
   ChatLearn does, and in override values too. A reference with no value and no default becomes ``None``:
   fine where ChatLearn takes ``None`` (a field whose default is ``None``, a backend key in ``args_dict``, a
@@ -13,11 +14,12 @@ Follows ChatLearn 1.0.x's loader so its YAML files work unchanged, and fixes its
   default"`` everywhere else (ChatLearn refuses those too; a whole section set to ``None`` would otherwise
   silently take every default), and always inside longer text (``${OUT}/out`` is not ``/out``).
 * Unquoted numbers like ``1e-5`` are floats (YAML 1.1 would read them as strings).
-* ``models.<name>.model_config_file`` is parsed the same way into the model's ``args_dict`` (inline
-  ``args_dict`` keys win); tensor/pipeline parallel sizes and ``zero_size`` found there override the model's
-  fields.
-* A relative ``model_config_file`` or prompt path written in an *included* file is looked up next to that
-  file first, so ``includes: [path/to/configs/default.yaml]`` works from any folder.
+* ``models.<name>.model_config_file`` is found by the same rule (so ``tiny_qwen2.yaml`` in one's own config is
+  the packaged one unless a file of that name sits beside it) and parsed the same way into the model's
+  ``args_dict`` (inline ``args_dict`` keys win); tensor/pipeline parallel sizes and ``zero_size`` found there
+  override the model's fields.
+* A relative prompt path written in an *included* file is looked up next to that file when it is not found
+  from the working directory, so ``includes: [path/to/configs/default.yaml]`` works from any folder.
 * ``dotted.key=value`` overrides win over everything in the files.
 * A config named without a folder (``grpo``, ``grpo.yaml``) that is not a file here is the packaged one
   (:func:`packaged_configs`: the repository's ``configs/``, shipped in the wheel as ``chatlearn/configs``), so
@@ -54,6 +56,7 @@ __all__ = [
     "configs_dir",
     "deep_merge",
     "default_config_path",
+    "find_config_file",
     "load_config",
     "load_config_dict",
     "load_yaml_with_includes",
@@ -216,8 +219,25 @@ def _beside(path: Any, folder: str) -> Any:
     return candidate if os.path.exists(candidate) else path
 
 
-def _anchor_included_paths(data: dict[str, Any], own_dir: str) -> None:
-    """Relative file names written in an included file: that file's folder first (before the main one)."""
+def find_config_file(name: str, main_dir: str, own_dir: str) -> tuple[str | None, list[str]]:
+    """The one rule for a file name a config gives (an ``includes`` entry, a ``model_config_file``): absolute as
+    written; else beside the main config (ChatLearn's rule), then beside the file that names it, then, for a name
+    without a folder, among the packaged configs (:func:`configs_dir`). The file found (None if none) and the
+    places looked, in order."""
+    if os.path.isabs(name):
+        candidates = [name]
+    else:
+        candidates = [os.path.normpath(os.path.join(main_dir, name))]
+        if os.path.abspath(own_dir) != os.path.abspath(main_dir):
+            candidates.append(os.path.normpath(os.path.join(own_dir, name)))
+        if os.path.basename(name) == name:
+            candidates.append(str(configs_dir() / name))
+    return next((c for c in candidates if os.path.isfile(c)), None), candidates
+
+
+def _anchor_included_paths(data: dict[str, Any], own_dir: str, main_dir: str) -> None:
+    """Relative file names written in an included file, made absolute where they are found: prompt paths beside
+    it (when not found from the working directory), model config files by :func:`find_config_file`."""
     runtime = data.get("runtime")
     if isinstance(runtime, dict):
         for key in ("data_path", "eval_data_path"):
@@ -227,9 +247,9 @@ def _anchor_included_paths(data: dict[str, Any], own_dir: str) -> None:
     if isinstance(models, dict):
         for model in models.values():
             if isinstance(model, dict) and isinstance(model.get("model_config_file"), str):
-                candidate = os.path.normpath(os.path.join(own_dir, model["model_config_file"]))
-                if not os.path.isabs(model["model_config_file"]) and os.path.isfile(candidate):
-                    model["model_config_file"] = candidate
+                found, _ = find_config_file(os.path.expanduser(model["model_config_file"]), main_dir, own_dir)
+                if found is not None:
+                    model["model_config_file"] = found
 
 
 def _expand_includes(
@@ -253,12 +273,7 @@ def _expand_includes(
     merged: dict[str, Any] = {}
     for name in includes:
         expanded = os.path.expanduser(substitute_text(name, "includes", []) if "${" in name else name)
-        candidates = [expanded] if os.path.isabs(expanded) else [os.path.join(config_dir, expanded)]
-        if not os.path.isabs(expanded) and os.path.abspath(own_dir) != os.path.abspath(config_dir):
-            candidates.append(os.path.join(own_dir, expanded))
-        if os.path.basename(expanded) == expanded:  # `default.yaml`: the packaged one, when not next to the config
-            candidates.append(str(configs_dir() / expanded))
-        found = next((c for c in candidates if os.path.isfile(c)), None)
+        found, candidates = find_config_file(expanded, config_dir, own_dir)
         if found is None:
             raise ConfigError(
                 f"{source}: includes: file '{name}' not found (looked for {', '.join(candidates)}), "
@@ -269,7 +284,7 @@ def _expand_includes(
             chain = " -> ".join([*stack[stack.index(real) :], real])
             raise ConfigError(f"{source}: includes: include cycle: {chain}")
         included = _load_tree(found, config_dir, [*stack, real], prefix, missing)
-        _anchor_included_paths(included, os.path.dirname(found))
+        _anchor_included_paths(included, os.path.dirname(found), config_dir)
         merged = deep_merge(merged, included)
     return deep_merge(merged, data)
 
@@ -370,14 +385,13 @@ def _merge_model_config_files(
         file_name = model.get("model_config_file")
         if not file_name or not isinstance(file_name, str):
             continue
-        path = os.path.expanduser(file_name)
-        if not os.path.isabs(path):
-            # a dict without a directory of its own (a resolved dump: a deployment's run form) looks next to the
-            # config it was resolved from, which the model's config_dir names
-            own = model.get("config_dir") if config_dir is None else None
-            path = os.path.join(own or base_dir, path)
-        if not os.path.isfile(path):
-            problems.append(f"models.{name}.model_config_file: file not found: {path}")
+        # a dict without a directory of its own (a resolved dump: a deployment's run form) looks next to the
+        # config it was resolved from, which the model's config_dir names
+        own = (model.get("config_dir") if config_dir is None else None) or base_dir
+        path, looked = find_config_file(os.path.expanduser(file_name), own, own)
+        if path is None:
+            problems.append(f"models.{name}.model_config_file: file not found: "
+                            f"{looked[0]}{' (nor ' + ', '.join(looked[1:]) + ')' if looked[1:] else ''}")
             continue
         try:
             file_args = _load_file(path, config_dir, f"models.{name}.args_dict", missing)

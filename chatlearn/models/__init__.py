@@ -1,7 +1,7 @@
 """User-facing module classes (ChatLearn's API) and the built-in Hugging Face modules (`chatlearn.models.hf`).
 
-Which built-in module serves a model name is config-level knowledge: `chatlearn.config.engines.default_module`
-(per engine: `ppo_policy` is the GRPO trainer under `grpo`).
+Which built-in module serves a model name each engine declares (`chatlearn.runtime.plan.EngineFlows.module_classes`:
+`ppo_policy` is the GRPO trainer under `grpo`); what a module reads and makes its class says (`BaseModule`).
 """
 
 from chatlearn.models.base_module import BaseModule

@@ -30,6 +30,17 @@ class BaseModule:
     multi_process: ClassVar[bool] = False
     # True when a built-in module runs pipeline-parallel replicas (pipeline_model_parallel_size > 1)
     supports_pipeline: ClassVar[bool] = False
+    # What a trainer reads, which the engine checks ask of the models its trainer flow trains (so an engine of
+    # one's own training a built-in trainer gets the checks the built-in engine of that trainer gets):
+    # the advantage estimator a reward of its experience runs unless the reward's args_dict names one (None: it
+    # trains on no advantages of a default kind);
+    default_advantage_estimator: ClassVar[str | None] = None
+    # it compares several responses to the same prompt (num_inference_per_prompt >= 2: GRPO, online DPO);
+    trains_on_groups: ClassVar[bool] = False
+    # it builds its samples inside each prompt group of a micro-batch (online DPO's pairs): no group may be cut;
+    pairs_in_groups: ClassVar[bool] = False
+    # it trains on multi-turn samples (runtime.task_type: agent), tool outputs masked out of the loss
+    trains_multi_turn: ClassVar[bool] = False
 
     def __init__(self, name: str):
         self.name = name

@@ -17,10 +17,11 @@ from typing import Any
 
 from chatlearn.config import ChatLearnConfig, ConfigError, EngineChecks, load_config
 from chatlearn.config.current import get_config
+from chatlearn.config.engines import engine_class
 from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime import engines
-from chatlearn.runtime.compute_flow import Environment, Evaluator, Trainer
-from chatlearn.runtime.engines import engine_roles, resolve_engine
+from chatlearn.runtime.compute_flow import Evaluator
+from chatlearn.runtime.engines import BUILT_IN, resolve_engine
 from chatlearn.runtime.plan import EngineFlows, ResolvedEngine
 from chatlearn.runtime.prepared import PreparedRun, prepare_run
 
@@ -32,22 +33,13 @@ ConfigSource = Any  # a path, a dict, a ChatLearnConfig, a PreparedRun or None (
 
 class Engine(EngineFlows):
     """An engine: an environment flow (generate, score), a trainer flow (train) and an evaluator flow (eval),
-    any of which may be None, plus the weight syncs between its models."""
+    any of which may be None, plus the weight syncs between its models (`set_parameter_sync`). An engine of
+    one's own subclasses it, its constructor taking its models (`EngineFlows` says what else it may declare)."""
 
     name = "engine"
-
-    def __init__(self, environment: Environment | None = None, trainer: Trainer | None = None,
-                 evaluator: Evaluator | None = None, name: str | None = None):
-        self.from_config = False  # set by build_engine: the flow rebuilds the same modules from the config
-        super().__init__(environment, trainer, evaluator, name)
+    from_config = False  # set by build_engine: the flow rebuilds the same modules from the config
 
     # -- ChatLearn's API ------------------------------------------------------------------------------------
-    def set_parameter_sync(self, src: BaseModule, dst: BaseModule) -> "Engine":
-        """After each episode's training, copy ``src``'s weights (a trained model) into ``dst``."""
-        self._sync.append((src, dst))
-        self.compile(None)
-        return self
-
     def set_dataset(self, dataset: Any) -> "Engine":
         """The training prompt records (a list of dicts or strings); they replace ``runtime.data_path``."""
         self._dataset = list(dataset)
@@ -70,11 +62,11 @@ class Engine(EngineFlows):
                 raise ConfigError("overrides: a prepared run takes none (apply them to its config first)")
             return config
         source = get_config() if config is None else config
-        checks = EngineChecks(self.name, self._given_modules() or {}, self.spec(), self._dataset is not None)
+        checks = EngineChecks(self.name, self._given_modules() or {}, self.spec, self._dataset is not None)
         cfg = load_config(source, overrides or (), [checks])
         # a built-in engine given its models in code takes the models it was not given from the config, as
         # before; an engine of one's own is its flows as written
-        own = not self.from_config and (self.name not in _CLASSES or self.own_flows)
+        own = not self.from_config and (self.name not in BUILT_IN or self.own_flows)
         return prepare_run(cfg, self._given_modules(), self.name, resolved=self.resolve(cfg) if own else None)
 
     def learn(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
@@ -95,85 +87,41 @@ class Engine(EngineFlows):
         return eval_flow(self.prepare(config, overrides), modules=self._given_modules())
 
 
-class RLHFEngine(Engine):
-    """PPO (`chatlearn.runtime.engines.rlhf`)."""
-
-    name = "rlhf"
-
-    def __init__(self, policy: BaseModule, reference: BaseModule, reward: BaseModule, value: BaseModule,
-                 ppo_policy: BaseModule, ppo_value: BaseModule):
-        self.from_config = False
-        engines.assemble(self, engines.rlhf(policy, reference, reward, value, ppo_policy, ppo_value))
+# ChatLearn's engine classes: the built-in engines (`chatlearn.runtime.engines`, where each is declared) with the
+# API above to run them
+class RLHFEngine(engines.RLHF, Engine):
+    """PPO: `RLHFEngine(policy, reference, reward, value, ppo_policy, ppo_value)` (`chatlearn.runtime.engines.RLHF`)."""
 
 
-class GRPOEngine(Engine):
-    """GRPO (`chatlearn.runtime.engines.grpo`); ``reference`` may be None (no KL term)."""
-
-    name = "grpo"
-
-    def __init__(self, policy: BaseModule, reference: BaseModule | None, reward: BaseModule,
-                 ppo_policy: BaseModule):
-        self.from_config = False
-        engines.assemble(self, engines.grpo(policy, reference, reward, ppo_policy))
+class GRPOEngine(engines.GRPO, Engine):
+    """GRPO: `GRPOEngine(policy, reference, reward, ppo_policy)`, ``reference`` may be None (no KL term)
+    (`chatlearn.runtime.engines.GRPO`)."""
 
 
-class GRPOMathEngine(Engine):
-    """GRPO with a second reward (`chatlearn.runtime.engines.grpo_math`)."""
-
-    name = "grpo_math"
-
-    def __init__(self, policy: BaseModule, reference: BaseModule | None, reward: BaseModule, reward1: BaseModule,
-                 ppo_policy: BaseModule):
-        self.from_config = False
-        engines.assemble(self, engines.grpo_math(policy, reference, reward, reward1, ppo_policy))
+class GRPOMathEngine(engines.GRPOMath, Engine):
+    """GRPO with a second reward: `GRPOMathEngine(policy, reference, reward, reward1, ppo_policy)`
+    (`chatlearn.runtime.engines.GRPOMath`)."""
 
 
-class DPOEngine(Engine):
-    """Offline DPO (`chatlearn.runtime.engines.dpo`)."""
-
-    name = "dpo"
-
-    def __init__(self, reference: BaseModule, ppo_policy: BaseModule):
-        self.from_config = False
-        engines.assemble(self, engines.dpo(reference, ppo_policy))
+class DPOEngine(engines.DPO, Engine):
+    """Offline DPO: `DPOEngine(reference, ppo_policy)` (`chatlearn.runtime.engines.DPO`)."""
 
 
-class OnlineDPOEngine(Engine):
-    """Online DPO (`chatlearn.runtime.engines.online_dpo`)."""
-
-    name = "online_dpo"
-
-    def __init__(self, policy: BaseModule, reference: BaseModule, reward: BaseModule, ppo_policy: BaseModule):
-        self.from_config = False
-        engines.assemble(self, engines.online_dpo(policy, reference, reward, ppo_policy))
+class OnlineDPOEngine(engines.OnlineDPO, Engine):
+    """Online DPO: `OnlineDPOEngine(policy, reference, reward, ppo_policy)` (`chatlearn.runtime.engines.OnlineDPO`)."""
 
 
-class EvalEngine(Engine):
+class EvalEngine(engines.Evaluation, Engine):
     """Evaluation alone (ChatLearn's EvalEngine): ``EvalEngine(policy, reward)`` answers the eval set with the
-    policy and scores it with the reward (`chatlearn.runtime.engines.evaluation`); ``EvalEngine(eval_flow)``
-    (or ``evaluator=``) runs a flow of one's own."""
-
-    name = "eval"
-
-    def __init__(self, policy: Any = None, reward: BaseModule | None = None, *, eval_flow: Any = None,
-                 evaluator: Evaluator | None = None):
-        self.from_config = False
-        if callable(policy) and not isinstance(policy, BaseModule):  # ChatLearn's EvalEngine(eval_flow)
-            policy, eval_flow = None, policy
-        if evaluator is None and eval_flow is not None:
-            evaluator = Evaluator(eval_flow)
-        if evaluator is not None:
-            self.own_flows = True  # its own eval flow, not the built-in policy -> reward one
-            super().__init__(evaluator=evaluator)
-        else:
-            engines.assemble(self, engines.evaluation(policy, reward))
+    policy and scores it with the reward; ``EvalEngine(eval_flow)`` (or ``evaluator=``) runs a flow of one's own
+    (`chatlearn.runtime.engines.Evaluation`)."""
 
     def learn(self, config: ConfigSource = None, overrides: Sequence[str] | None = None) -> dict[str, Any]:
         return self.eval(config, overrides)
 
 
-_CLASSES: dict[str, type[Engine]] = {"rlhf": RLHFEngine, "grpo": GRPOEngine, "grpo_math": GRPOMathEngine,
-                                     "dpo": DPOEngine, "online_dpo": OnlineDPOEngine, "eval": EvalEngine}
+_RUNNABLE: dict[str, type[Engine]] = {cls.name: cls for cls in (RLHFEngine, GRPOEngine, GRPOMathEngine, DPOEngine,
+                                                                OnlineDPOEngine, EvalEngine)}
 
 
 def build_engine(cfg: ChatLearnConfig, modules: Mapping[str, BaseModule] | None = None,
@@ -189,10 +137,8 @@ def build_engine(cfg: ChatLearnConfig, modules: Mapping[str, BaseModule] | None 
 def engine_of(resolved: ResolvedEngine, from_config: bool = True) -> Engine:
     """The engine object of a resolved engine (`PreparedRun.engine`); ``from_config``: its modules were built
     from the config (not given in code)."""
-    by_name = dict(resolved.modules)
-    args = {r: by_name.get(r) for r in engine_roles(resolved.name)}
-    cls = _CLASSES.get(resolved.name) or engines._engine_class(resolved.name)
-    eng = cls(**args)
+    cls = _RUNNABLE.get(resolved.name) or engine_class(resolved.name)
+    eng = cls(**{r: resolved.modules.get(r) for r in cls.model_roles() or ()})
     eng.name = resolved.name
     eng.from_config = from_config
     return eng

@@ -10,13 +10,15 @@ producer that owns the dataset, the trainers, the models of every flow). The sta
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+import inspect
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, NamedTuple, Self
 
 from pydantic import BaseModel, Field
 
 from chatlearn.config import ChatLearnConfig
-from chatlearn.config.engines import ENGINES, EngineSpec
+from chatlearn.config.engine_checks import module_class_path
+from chatlearn.config.engines import DEFAULT_MODULES, EngineSpec
 from chatlearn.models.base_module import BaseModule
 from chatlearn.runtime.compute_flow import (
     BATCH,
@@ -28,6 +30,7 @@ from chatlearn.runtime.compute_flow import (
     Step,
     Trainer,
 )
+from chatlearn.utils.imports import import_object
 
 __all__ = ["EngineFlows", "EpisodePlan", "ResolvedEngine", "flow_args"]
 
@@ -77,7 +80,7 @@ class EpisodePlan(BaseModel):
 
 class ResolvedEngine(NamedTuple):
     name: str
-    modules: dict[str, BaseModule]  # by model name, in the flows' call order
+    modules: dict[str, BaseModule]  # by model name, in placement order (`EngineFlows.constructor_order`)
     plan: EpisodePlan
     steps: dict[str, Step] = {}  # the flows' steps by name (functions: they stay in the driver)
     dataset: Any = None  # prompt records given in code (``engine.set_dataset``), else None: the config's files
@@ -106,13 +109,26 @@ def _tracing_for(cfg: ChatLearnConfig | None) -> Iterator[None]:
 
 
 class EngineFlows:
-    """An engine's flows, weight syncs and data, and what they compile into (the user-facing `Engine` of
-    :mod:`chatlearn.runtime.engine` adds running it). Compiling traces the flows and checks them: a FlowError
-    names the flow and the call."""
+    """An engine: its flows, weight syncs and data, what they compile into, and its declaration (the user-facing
+    `Engine` of :mod:`chatlearn.runtime.engine` adds running it). Compiling traces the flows and checks them: a
+    FlowError names the flow and the call.
+
+    An engine is declared once, in its class: its constructor takes its models (ChatLearn's engines do) and
+    writes its flows and syncs; ``name``, ``module_classes`` and ``optional_models`` are the rest. What the config
+    checks need of it (:class:`~chatlearn.config.engines.EngineSpec`) comes from there: `declared` traces the
+    class on stand-in models, `spec` an engine object built in code."""
 
     name = "engine"
     # an engine of the flows it was given (not a built-in one's under its registered name; EvalEngine(eval_flow))
     own_flows = False
+    # the module each model runs unless its args_dict.module names another: the defaults of ChatLearn's model
+    # names, an engine overriding those it runs differently (GRPO's ppo_policy is the GRPO trainer)
+    module_classes: ClassVar[dict[str, str]] = DEFAULT_MODULES
+    # models a config may leave out: the constructor gets None and its flows do without them
+    optional_models: ClassVar[tuple[str, ...]] = ()
+    # placement takes the models in the constructor's order (ChatLearn's built-in engines), else in the flows'
+    # call order
+    constructor_order: ClassVar[bool] = False
 
     def __init__(self, environment: Environment | None = None, trainer: Trainer | None = None,
                  evaluator: Evaluator | None = None, name: str | None = None):
@@ -122,19 +138,46 @@ class EngineFlows:
         if name is not None:
             self.name = name
         self.environment, self.trainer, self.evaluator = environment, trainer, evaluator
-        self._sync: list[tuple[BaseModule, BaseModule]] = getattr(self, "_sync", [])
+        self._sync: list[tuple[BaseModule, BaseModule]] = []
         self._dataset: list[Any] | None = None
-        self._order: list[str] = getattr(self, "_order", [])
         self.modules: dict[str, BaseModule] = {}
         self.compile(None)  # a flow that cannot be traced fails here, at construction
 
-    def _models_in_order(self, *modules: BaseModule | None) -> None:
-        """The order of the models where it matters (placement): a built-in engine's constructor order."""
-        self._order = [m.name for m in modules if m is not None]
+    @classmethod
+    def model_roles(cls) -> tuple[str, ...] | None:
+        """The models the constructor takes, in order (placement follows it); None for an engine given its flows
+        (``Engine(Environment(...), ...)``), whose models are those its flows call."""
+        if cls.__init__ is EngineFlows.__init__:
+            return None
+        params = inspect.signature(cls.__init__).parameters.values()
+        return tuple(p.name for p in params if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
 
+    @classmethod
+    def declared(cls, cfg: ChatLearnConfig | None = None, given: Mapping[str, BaseModule] | None = None) -> EngineSpec:
+        """The spec of the engine this class builds for the run of ``cfg`` (its flows may read it) with the models
+        ``given`` in code: what the config checks of an engine named by ``runtime.engine`` read. The other models
+        are the modules the config names (a stand-in where one does not import: the checks name that)."""
+        given = given or {}
+        models = {r: given[r] if r in given else None if cls._left_out(r, cfg, given) else
+                  _stand_in(r, cfg, cls.module_classes) for r in cls.model_roles() or ()}
+        return cls(**models).spec(cfg)
+
+    @classmethod
+    def _left_out(cls, role: str, cfg: ChatLearnConfig | None, given: Mapping[str, BaseModule]) -> bool:
+        """An optional model neither the config nor the code gives: the constructor gets None."""
+        return role in cls.optional_models and role not in given and cfg is not None and role not in cfg.models
+
+    # -- ChatLearn's API ------------------------------------------------------------------------------------
+    def set_parameter_sync(self, src: BaseModule, dst: BaseModule) -> Self:
+        """After each episode's training, copy ``src``'s weights (a trained model) into ``dst``."""
+        self._sync.append((src, dst))
+        self.compile(None)
+        return self
+
+    # -- compiling ------------------------------------------------------------------------------------------
     def compile(self, cfg: ChatLearnConfig | None) -> tuple[EpisodePlan, dict[str, Step]]:
         """Trace the flows (for the run of ``cfg``, which a flow may read: `flow_args`) into the plan; the
-        modules they call become ``self.modules``."""
+        modules they call become ``self.modules``, in placement order (`constructor_order`)."""
         flows: dict[str, ComputeFlow] = {}
         steps: dict[str, Step] = {}
         modules: dict[str, BaseModule] = {}
@@ -157,28 +200,59 @@ class EngineFlows:
                             "is the experience the trainer flow trains on")
         exported = [s for s, d in plan.sync if plan.environment is not None and d == plan.producer]
         plan.export = exported[0] if exported else (plan.trainers[0] if plan.trainers else None)
-        order = [n for n in self._order if n in modules] + [n for n in modules if n not in self._order]
-        self.modules = {n: modules[n] for n in order}
+        order = [n for n in self.model_roles() or () if n in modules] if self.constructor_order else []
+        self.modules = {n: modules[n] for n in [*order, *(n for n in modules if n not in order)]}
         return plan, steps
 
     def resolve(self, cfg: ChatLearnConfig) -> "ResolvedEngine":
-        """This engine's plan for the run of ``cfg``, its modules, steps and given data."""
+        """This engine's plan for the run of ``cfg``, its modules, steps and given data. The rewards that make its
+        experience learn the advantage estimator its trainer trains on (`default_estimator`): the one they run
+        unless their ``args_dict`` names one."""
         plan, steps = self.compile(cfg)
+        default = default_estimator(plan, self.modules)
+        for node in plan.environment.nodes[1:] if plan.environment is not None else []:
+            module = self.modules.get(node.model or "")
+            if node.method == "forward_step" and hasattr(module, "engine_estimator"):
+                module.engine_estimator = default  # type: ignore[union-attr]
         eval_data = self.evaluator.dataset if self.evaluator is not None else None
         return ResolvedEngine(self.name, dict(self.modules), plan, steps, self._dataset, eval_data)
 
-    def spec(self) -> EngineSpec:
-        """What the config checks need of this engine: a built-in's registered spec, else the one its flows give
-        (the models it calls, its syncs)."""
-        if self.name in ENGINES and not self.own_flows:
-            return ENGINES[self.name]
-        plan, _ = self.compile(None)
+    def spec(self, cfg: ChatLearnConfig | None = None) -> EngineSpec:
+        """What the config checks need of this engine (for the run of ``cfg``): its declaration and what its
+        traced flows do. Its models are its constructor's (an engine given its flows: those the flows call)."""
+        plan, _ = self.compile(cfg)
+        roles = None if self.own_flows else self.model_roles()
+        roles = roles if roles is not None else tuple(plan.models)
         env = plan.environment
-        makers = tuple(env.nodes[i].model for i in env.outputs()
-                       if env.nodes[i].model is not None and env.nodes[i].method == "forward_step") if env else ()
-        return EngineSpec(roles=tuple(plan.models), sync=tuple(plan.sync), trains=plan.trainer is not None,
-                          needs_train_data=plan.environment is not None and self._dataset is None,
-                          experience=makers)
+        first = env or plan.evaluator
+        producer = first.producer.model if first is not None else None
+        trained = [type(self.modules[t]) for t in plan.trainers]
+        policy_trainer = next((s for s, d in plan.sync if d == producer), None)
+        return EngineSpec(
+            name=self.name, roles=roles, optional=self.optional_models,
+            sync=tuple(plan.sync), producer=producer, trainers=tuple(plan.trainers),
+            scorers=tuple((n.model, n.method) for n in env.nodes[1:] if n.model is not None) if env else (),
+            evaluates=plan.evaluator is not None, needs_train_data=env is not None and self._dataset is None,
+            advantage_estimator=default_estimator(plan, self.modules),
+            groups=any(c.trains_on_groups for c in trained), pairs_in_groups=any(c.pairs_in_groups for c in trained),
+            multi_turn=policy_trainer is not None and type(self.modules[policy_trainer]).trains_multi_turn)
+
+
+def _stand_in(role: str, cfg: ChatLearnConfig | None, defaults: Mapping[str, str]) -> BaseModule:
+    """The module the config names for ``role`` (or the engine's default), as resolving builds it; a bare one
+    where none imports (the checks report that)."""
+    path = module_class_path(role, cfg, defaults) if cfg is not None else defaults.get(role)
+    try:
+        cls = import_object(path, "Class") if path else BaseModule
+        return cls(role) if isinstance(cls, type) and issubclass(cls, BaseModule) else BaseModule(role)
+    except Exception:  # noqa: BLE001  # whatever a user's module does wrong, its own check names it
+        return BaseModule(role)
+
+
+def default_estimator(plan: EpisodePlan, modules: dict[str, BaseModule]) -> str | None:
+    """The advantage estimator an engine's experience is made for: the first trained model's module that declares
+    one (PPO's trainer GAE, GRPO's and online DPO's the group one); None where no trainer does."""
+    return next((d for t in plan.trainers if (d := type(modules[t]).default_advantage_estimator) is not None), None)
 
 
 def _checked(flow: ComputeFlow) -> ComputeFlow:

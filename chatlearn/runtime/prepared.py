@@ -44,8 +44,8 @@ def prepare_run(cfg: ChatLearnConfig, modules: Mapping[str, Any] | None = None, 
     starts."""
     eng = resolved if resolved is not None else resolve_engine(cfg, modules, engine)
     if cfg.runtime.engine != eng.name:
-        # the run records the engine it runs, and its modules read it (a reward's default advantage estimator):
-        # an engine built in code or named by the flow's `engine` wins over the config's runtime.engine
+        # the run records the engine it runs: an engine built in code or named by the flow's `engine` wins over
+        # the config's runtime.engine
         cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"engine": eng.name})})
     return PreparedRun(cfg, eng, preflight(cfg, eng))
 

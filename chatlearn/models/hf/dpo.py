@@ -205,6 +205,10 @@ class OnlineDPOPolicyTrainer(CausalLMTrainer):
     The step's loss is the mean over all pairs of the global batch (each micro-batch weighted by its pairs)."""
 
     args_schema = OnlineDPOArgs
+    # it learns from pairs, not advantages; the reward's group advantages and reported KL are GRPO's
+    default_advantage_estimator = "grpo"
+    trains_on_groups = True
+    pairs_in_groups = True
     supports_pipeline = False  # a micro-batch without pairs runs no forward pass
     supports_packing = False  # its pairs live inside each micro-batch's prompt groups, which a token cut would split
 

@@ -148,6 +148,9 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         src = ("the trainer's forward pass in the score stage" if plan.calls(self.name, "forward_step")
                else "generation (the policy holds the trainer's weights, synced every episode)")
         return [f"old log-probs: {src}"]
+    default_advantage_estimator = "grpo"  # group-normalised: no critic
+    trains_on_groups = True
+    trains_multi_turn = True
 
     def setup(self) -> None:
         super().setup()

@@ -54,6 +54,8 @@ class PPOPolicyTrainer(CausalLMTrainer):
     args_schema = PPOPolicyArgs
     # the advantages it takes (chatlearn.algorithms.registry.ADVANTAGE_SHAPES): its loss and whitening are per token
     advantage_shapes = ("token",)
+    default_advantage_estimator = "gae"  # PPO's: the critic's values
+    trains_multi_turn = True
 
     def setup(self) -> None:
         super().setup()

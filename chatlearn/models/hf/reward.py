@@ -1,7 +1,7 @@
 """Reward: a Python rule function, or a Hugging Face scalar reward model.
 
 Both end in the same place: a score per sample, then the experience, as ChatLearn's reward inference does, by
-the advantage estimator the engine names (``args_dict.advantage_estimator``, default the engine's; see
+the advantage estimator the engine names (``args_dict.advantage_estimator``, default its trainer's; see
 :mod:`chatlearn.algorithms.advantages`): PPO's ``gae`` (KL-penalized per-token rewards and GAE
 advantages/returns) under rlhf, GRPO's ``grpo`` (group-normalised advantages, one per response) under grpo and
 online_dpo. A batch without what the estimator reads is an error naming it, never silently no advantages.
@@ -31,7 +31,6 @@ from chatlearn.algorithms import (
     get_advantage_estimator,
 )
 from chatlearn.algorithms.registry import ADVANTAGE_ESTIMATOR_SHAPE, ADVANTAGE_SHAPES, name_problem
-from chatlearn.config.engines import ENGINES
 from chatlearn.models.base_module import BaseModule
 from chatlearn.models.hf.common import HFModelArgs, HFModule, ensure_model_files, load_tokenizer
 from chatlearn.models.rule import RuleSpec, score_key, takes_keyword
@@ -183,6 +182,9 @@ class _ExperienceMixin:
     args: PPOExperienceArgs
     name: str
     runtime_args: Any
+    # the estimator the engine's trainer trains on (its module's default_advantage_estimator), set when the
+    # engine is resolved (`chatlearn.runtime.plan.EngineFlows.resolve`): what it runs when args_dict names none
+    engine_estimator: str | None = None
 
     @staticmethod
     def estimator_inputs(name: str) -> tuple[str, ...] | None:
@@ -212,9 +214,9 @@ class _ExperienceMixin:
         return sorted(n for n, s in ADVANTAGE_ESTIMATOR_SHAPE.items() if s in shapes)
 
     def advantage_estimator(self) -> str:
-        """The estimator this reward runs: ``args_dict.advantage_estimator``, else its engine's."""
-        spec = ENGINES.get(self.runtime_args.engine)
-        name = self.args.advantage_estimator or (spec.advantage_estimator if spec is not None else None)
+        """The estimator this reward runs: ``args_dict.advantage_estimator``, else the one its engine's trainer
+        trains on (``engine_estimator``)."""
+        name = self.args.advantage_estimator or self.engine_estimator
         if name is None:
             raise RunError(f"{self.name}: the {self.runtime_args.engine} engine trains on no advantages; set "
                            f"models.{self.name}.args_dict.advantage_estimator (known: {sorted(ADVANTAGE_ESTIMATORS)})")
