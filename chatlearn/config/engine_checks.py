@@ -7,6 +7,7 @@ problem. Plain ``chatlearn config`` does not run them: it resolves any config Ch
 """
 
 import contextlib
+import inspect
 import os
 import re
 import sys
