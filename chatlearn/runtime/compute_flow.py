@@ -23,7 +23,7 @@ attribute, a comparison, ``if out``) has no value yet and is an error naming the
 import contextlib
 import contextvars
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -32,7 +32,7 @@ from chatlearn.config.errors import ConfigError
 from chatlearn.models.base_module import BaseModule
 
 __all__ = ["BATCH", "FLOW_METHODS", "ComputeFlow", "Environment", "Evaluator", "FlowError", "FlowNode", "Step",
-           "Trainer", "step", "trace"]
+           "Trainer", "flow_args", "step", "trace"]
 
 # The module methods a flow may call. forward_step/eval_step/eval_forward/score_step run on a batch; train_step
 # trains on the episode's samples (a trainer flow's only method).
@@ -148,8 +148,9 @@ class _Placeholder:
 
 
 class _Tracer:
-    def __init__(self, flow: str):
+    def __init__(self, flow: str, args: Mapping[str, Mapping[str, Any]]):
         self.flow = flow
+        self.args = args  # each model's args_dict in the run the flow is traced for (`flow_args`)
         self.nodes: list[FlowNode] = []
         self.steps: dict[str, Step] = {}
 
@@ -181,7 +182,16 @@ class _Tracer:
         return _Placeholder(self.flow, len(self.nodes) - 1)
 
 
+# Why a ContextVar: a flow is plain Python calling module methods and steps; while it is traced, those calls find
+# the tracer recording them here (set only inside `trace`), since a user's flow function passes nothing along.
 _TRACER: contextvars.ContextVar[_Tracer | None] = contextvars.ContextVar("chatlearn_flow_tracer", default=None)
+
+
+def flow_args(module: BaseModule) -> dict[str, Any]:
+    """``models.<name>.args_dict`` of the run a flow is being traced for ({} outside tracing, or while no config is
+    known yet): a flow may branch on it, as GRPO's does on where its old log-probs come from."""
+    tracer = _TRACER.get()
+    return dict(tracer.args.get(module.name) or {}) if tracer is not None else {}
 
 
 def _names_of(code: types.CodeType) -> Iterator[str]:
@@ -237,11 +247,13 @@ def _recorder(tracer: _Tracer, module: BaseModule, method: str) -> Callable[...,
     return record
 
 
-def trace(fn: Callable, kind: str) -> tuple[ComputeFlow, dict[str, BaseModule], dict[str, Step]]:
+def trace(fn: Callable, kind: str, args: Mapping[str, Mapping[str, Any]] | None = None,
+          ) -> tuple[ComputeFlow, dict[str, BaseModule], dict[str, Step]]:
     """Run ``fn`` once on a placeholder batch: its :class:`ComputeFlow`, the modules it calls by name and its
-    steps by name. A flow that does something other than calls on placeholders is a FlowError naming it."""
+    steps by name. ``args``: each model's ``args_dict`` in the run it is traced for, which the flow may read
+    (`flow_args`). A flow that does something other than calls on placeholders is a FlowError naming it."""
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
-    tracer = _Tracer(name)
+    tracer = _Tracer(name, args or {})
     modules = modules_of(fn)
     by_name: dict[str, BaseModule] = {}
     for m in modules:
@@ -293,8 +305,9 @@ class _Flow:
         self.compute_flow = compute_flow
         self.dataset: list[Any] | None = None
 
-    def trace(self) -> tuple[ComputeFlow, dict[str, BaseModule], dict[str, Step]]:
-        return trace(self.compute_flow, self.kind)
+    def trace(self, args: Mapping[str, Mapping[str, Any]] | None = None,
+              ) -> tuple[ComputeFlow, dict[str, BaseModule], dict[str, Step]]:
+        return trace(self.compute_flow, self.kind, args)
 
     def set_dataset(self, dataset: Any) -> "_Flow":
         """The prompt records this flow reads (ChatLearn's ``set_dataset``); they replace the config's data file."""

@@ -19,8 +19,8 @@ from chatlearn.config.engine_checks import engine_name, module_class_path
 from chatlearn.config.engines import engine_class
 from chatlearn.config.user_code import user_code
 from chatlearn.models.base_module import BaseModule
-from chatlearn.runtime.compute_flow import Environment, Evaluator, Trainer
-from chatlearn.runtime.plan import EngineFlows, ResolvedEngine, flow_args
+from chatlearn.runtime.compute_flow import Environment, Evaluator, Trainer, flow_args
+from chatlearn.runtime.plan import EngineFlows, ResolvedEngine
 from chatlearn.utils.imports import import_object
 
 __all__ = ["BUILT_IN", "DPO", "GRPO", "RLHF", "Evaluation", "GRPOMath", "OnlineDPO", "resolve_engine"]

@@ -8,10 +8,8 @@ producer that owns the dataset, the trainers, the models of every flow). The sta
 (``flows/stage_tasks.py``).
 """
 
-import contextlib
-import contextvars
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple, Self
 
 from pydantic import BaseModel, Field
@@ -32,7 +30,7 @@ from chatlearn.runtime.compute_flow import (
 )
 from chatlearn.utils.imports import import_object
 
-__all__ = ["EngineFlows", "EpisodePlan", "ResolvedEngine", "flow_args"]
+__all__ = ["EngineFlows", "EpisodePlan", "ResolvedEngine"]
 
 
 class EpisodePlan(BaseModel):
@@ -88,26 +86,6 @@ class ResolvedEngine(NamedTuple):
 
 
 _EVAL_METHODS = ("forward_step", "eval_step", "eval_forward")
-_TRACING_CONFIG: contextvars.ContextVar[ChatLearnConfig | None] = contextvars.ContextVar("chatlearn_flow_config",
-                                                                                         default=None)
-
-
-def flow_args(module: BaseModule) -> dict[str, Any]:
-    """``models.<name>.args_dict`` of the run a flow is traced for ({} while no config is known yet): a flow may
-    branch on it, as GRPO's does on where its old log-probs come from."""
-    cfg = _TRACING_CONFIG.get()
-    return dict((cfg.models[module.name].args_dict or {}) if cfg is not None and module.name in cfg.models else {})
-
-
-@contextlib.contextmanager
-def _tracing_for(cfg: ChatLearnConfig | None) -> Iterator[None]:
-    token = _TRACING_CONFIG.set(cfg)
-    try:
-        yield
-    finally:
-        _TRACING_CONFIG.reset(token)
-
-
 class EngineFlows:
     """An engine: its flows, weight syncs and data, what they compile into, and its declaration (the user-facing
     `Engine` of :mod:`chatlearn.runtime.engine` adds running it). Compiling traces the flows and checks them: a
@@ -181,16 +159,16 @@ class EngineFlows:
         flows: dict[str, ComputeFlow] = {}
         steps: dict[str, Step] = {}
         modules: dict[str, BaseModule] = {}
-        with _tracing_for(cfg):
-            for holder in (self.environment, self.trainer, self.evaluator):
-                if holder is None:
-                    continue
-                flow, used, own_steps = holder.trace()
-                for name, module in used.items():
-                    if modules.setdefault(name, module) is not module:
-                        raise FlowError(f"engine {self.name}: two different modules are named {name!r}")
-                steps.update(own_steps)
-                flows[holder.kind] = _checked(flow)
+        args = {name: m.args_dict or {} for name, m in cfg.models.items()} if cfg is not None else {}
+        for holder in (self.environment, self.trainer, self.evaluator):
+            if holder is None:
+                continue
+            flow, used, own_steps = holder.trace(args)
+            for name, module in used.items():
+                if modules.setdefault(name, module) is not module:
+                    raise FlowError(f"engine {self.name}: two different modules are named {name!r}")
+            steps.update(own_steps)
+            flows[holder.kind] = _checked(flow)
         if not flows:
             raise FlowError(f"engine {self.name}: it has no environment, trainer or evaluator flow")
         plan = EpisodePlan(**flows, sync=[(s.name, d.name) for s, d in self._sync])
