@@ -9,6 +9,7 @@ from chatlearn.config.root import ChatLearnConfig
 
 __all__ = ["get_config", "init"]
 
+# Why a module global: ChatLearn's API is `chatlearn.init()` then `engine.learn()` with no config between them.
 _CONFIG: ChatLearnConfig | None = None
 
 

@@ -50,6 +50,8 @@ def prepare_run(cfg: ChatLearnConfig, modules: Mapping[str, Any] | None = None, 
     return PreparedRun(cfg, eng, preflight(cfg, eng))
 
 
+# Why a ContextVar: a flow's parameters are JSON (the UI and deployments show and resend them); an engine built in
+# code (modules, datasets) is not, so a direct call hands its prepared run to its own flow body through this.
 _HANDED: contextvars.ContextVar[PreparedRun | None] = contextvars.ContextVar("chatlearn_prepared_run", default=None)
 
 

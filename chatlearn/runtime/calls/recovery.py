@@ -129,6 +129,7 @@ def process_loss(exc: BaseException, processes: dict[str, Any], nodes_before: se
 
 # -- fault injection for the tests and the soak benchmark ---------------------------------------------------
 
+# Why process-wide: a kill point set in the environment fires once per process, whichever run reaches it.
 _FIRED: set[str] = set()
 
 

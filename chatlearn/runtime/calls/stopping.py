@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+# Why process-wide: a signal is delivered to the process; every wait of the driver asks these.
 _STOP = threading.Event()
 _SIGNAME: list[str] = []
 _ON_STOP: list[Callable[[], Any]] = []

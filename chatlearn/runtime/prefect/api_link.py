@@ -222,6 +222,8 @@ class ApiLink:
                 del item, ctx, call, args, kwargs
 
 
+# Why process-wide: Prefect's own clients and log handlers are process-wide, and so is the link that watches
+# their API for the run this process drives.
 _current: ApiLink | None = None
 
 

@@ -148,6 +148,7 @@ class WarmRayTaskRunner(RayTaskRunner):
             SyncClientContext.__var__.reset(token)
 
 
+# Why process-wide: see `ray_task_runner` (the episode's task pool holds no runner of ours to hand it).
 _RUNNER: list[WarmRayTaskRunner] = []
 
 

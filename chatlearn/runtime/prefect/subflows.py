@@ -197,6 +197,8 @@ class _Once:
             fn()
 
 
+# Why a ContextVar: the stage code that calls `started_hook` runs inside Prefect's flow engine, which passes
+# nothing of ours to it; the subflow's own call sets this around its body.
 _started: contextvars.ContextVar[_Once | None] = contextvars.ContextVar("chatlearn_subflow_started", default=None)
 
 

@@ -46,6 +46,7 @@ class _Held:
     count: int
 
 
+# Why process-wide: POSIX record locks belong to the process, so who holds one is counted per process.
 _HELD: dict[str, _Held] = {}  # lock file (real path) -> its descriptor in this process and how many hold it
 _GUARD = threading.Lock()
 
