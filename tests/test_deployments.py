@@ -320,7 +320,9 @@ def test_an_engine_of_ones_own_from_the_command_and_its_run_graph(stack, tmp_pat
     assert row["num_samples"] % 8 == 0 and 0 < row["num_samples"] <= 32 and "eval_reward_mean" in row
     with _client(stack) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["episode-1"])))
-        episode = next(r for r in runs if r.parameters.get("run", {}).get("exp_name") == "custom_engine")
+        # an episode's ctx parameter shows the run's spec (chatlearn.runtime.context.RunContext.as_parameter)
+        episode = next(r for r in runs
+                       if r.parameters.get("ctx", {}).get("runtime", {}).get("exp_name") == "custom_engine")
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[episode.id])))
     by_name = {t.name: t for t in tasks}
     assert {"policy.forward_step", "reference.forward_step", "format.score_step", "answer.forward_step",

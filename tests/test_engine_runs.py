@@ -214,6 +214,12 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
         assert "old log-probs: generation (the policy holds the trainer's weights" in again
 
 
+def _exp_name(flow_run) -> str | None:
+    """The run an episode's flow run belongs to: its ``ctx`` parameter shows the run's spec
+    (`chatlearn.runtime.context.RunContext.as_parameter`)."""
+    return flow_run.parameters.get("ctx", {}).get("runtime", {}).get("exp_name")
+
+
 def _stage_runs(exp, episodes, stages):
     """{(episode name, stage): its stage task run} of run ``exp``, once the API has them all (task runs are
     written in batches)."""
@@ -224,7 +230,7 @@ def _stage_runs(exp, episodes, stages):
     with get_client(sync_client=True) as client:
         while True:
             runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                name=FlowRunFilterName(any_=episodes))) if r.parameters.get("run", {}).get("exp_name") == exp]
+                name=FlowRunFilterName(any_=episodes))) if _exp_name(r) == exp]
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])))
             assert sorted(r.name for r in runs) == sorted(episodes), "one flow run per episode of this run"
             name = {r.id: r.name for r in runs}
@@ -496,7 +502,7 @@ def test_multi_turn_grpo_steps_environments_as_task_runs_and_resumes_bit_identic
     assert 1.0 <= ref[1]["eval_turns_mean"] <= 4.0 and ref[1]["eval_tool_errors"] == 0.0
     with get_client(sync_client=True) as client:
         runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
-            any_=["episode-1"]))) if r.parameters.get("run", {}).get("exp_name") == "agent-ref"]
+            any_=["episode-1"]))) if _exp_name(r) == "agent-ref"]
         assert len(runs) == 1
         deadline = time.monotonic() + 30
         while True:

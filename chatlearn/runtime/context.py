@@ -83,6 +83,10 @@ class RunContext:
     def __repr__(self) -> str:
         return f"RunContext({self.spec.runtime.exp_name}, {self.actors!r}, rollout {self.spec.rollout})"
 
+    def as_parameter(self) -> RunSpec:
+        """What an episode's flow run shows as its ``ctx`` parameter: the run's spec (JSON), not its handles."""
+        return self.spec
+
     def __reduce__(self) -> tuple:
         # an episode's flow run context travels with the Prefect tasks it starts on Ray (rule rewards, environment
         # steps), its parameters included: there the context is its description (it holds handles and locks)

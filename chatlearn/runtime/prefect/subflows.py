@@ -181,7 +181,9 @@ class Subflows:
             return value
         kept = self._serialized.get(id(value))
         if kept is None or kept[0] is not value:
-            kept = self._serialized[id(value)] = (value, self.flow.serialize_parameters({"v": value})["v"])
+            # an object that holds live handles says what the UI shows of it (the run's context: its spec)
+            shown = value.as_parameter() if hasattr(value, "as_parameter") else value
+            kept = self._serialized[id(value)] = (value, self.flow.serialize_parameters({"v": shown})["v"])
         return kept[1]
 
 
