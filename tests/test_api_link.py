@@ -179,3 +179,17 @@ def test_the_unrecorded_task_runner_hands_the_function_values_not_annotations():
         assert isinstance(args[0], quote) and isinstance(args[1], opaque) and isinstance(args[2][0], opaque)
         second = runner.submit(add, dict(zip(["a", "b", "items"], args, strict=True)))
         assert first.result() == 6 and second.result() == 10 + 6 + 6 + 4
+
+
+def test_the_terminal_drops_prefects_outage_records_and_its_event_sockets_complaints(link):
+    link, _ = link
+
+    def record(name, level=logging.ERROR):
+        return logging.LogRecord(name, level, __file__, 1, "msg", None, None)
+
+    terminal = api_link._OutageFilter(link)
+    assert not terminal.filter(record("websockets.client"))  # a keepalive ping late on a busy machine
+    assert terminal.filter(record("prefect.events.clients")) and terminal.filter(record("chatlearn"))
+    link.down()
+    assert not terminal.filter(record("prefect.events.clients"))  # once the API went away
+    assert terminal.filter(record("chatlearn"))

@@ -79,7 +79,8 @@ def unreachable(exc: BaseException) -> bool:
 
 
 class _OutageFilter(logging.Filter):
-    """On the terminal's handlers: drops what Prefect logs about the outage (kept in the run's log file)."""
+    """On the terminal's handlers: drops what Prefect logs about the outage, and its events socket's complaints
+    (kept in the run's log file)."""
 
     def __init__(self, link: "ApiLink") -> None:
         super().__init__()
@@ -88,6 +89,8 @@ class _OutageFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None and unreachable(record.exc_info[1]):
             return False
+        if record.name.startswith("websockets"):
+            return False  # Prefect's events client's socket (a keepalive ping late on a busy machine): it reconnects
         prefect_internal = record.name.startswith(("prefect._internal", "prefect.events"))
         return not (prefect_internal and self.link.outages)  # from the first outage on
 
