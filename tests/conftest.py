@@ -14,7 +14,15 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("CHATLEARN_PREFECT_HOME", tempfile.mkdtemp(prefix="chatlearn-prefect-"))
 
+import resource  # noqa: E402
+
 import pytest  # noqa: E402
+
+# the suite's one process drives ~40 runs' clients, servers and Ray sessions in turn; where the soft open-files limit
+# is below the hard one (1,024 on many machines), raise it, so a slow leak cannot fail tests that merely open a file
+_soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if _hard == resource.RLIM_INFINITY or _soft < _hard:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_hard if _hard != resource.RLIM_INFINITY else max(_soft, 65536), _hard))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULT_VARIABLES = ("CHATLEARN_CRASH_AT", "CHATLEARN_FAULT_AT", "CHATLEARN_KILL_AT")
