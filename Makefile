@@ -27,9 +27,9 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest -q tests --durations=15 $(PYTEST_ARGS)
 
-# the edit-test loop: everything but the tests that start Ray and Prefect (about 90 s)
+# the edit-test loop: everything but the tests that start Ray and Prefect, or processes of their own (about 90 s)
 test-fast: setup
-	$(BIN)/python -m pytest -q tests -m "not integration" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests -m "not integration and not slow" --durations=10 $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check chatlearn flows tests bench

@@ -69,6 +69,7 @@ def test_check_adds_the_engine_checks_in_the_same_list(capsys):
     assert problems[2] == "models.ppo_policy.args_dict.lr: Input should be greater than 0"
 
 
+@pytest.mark.slow
 def test_train_rejects_a_bad_config_before_starting_anything(tmp_path):
     res = run("train", "models.reward.args_dict.reward_fn=nowhere:fn", "runtime.sample_per_episode=0",
               env={"CHATLEARN_PREFECT_HOME": str(tmp_path)})
@@ -99,6 +100,7 @@ def test_a_knob_that_a_module_cannot_honour_is_refused_by_the_checks_only(capsys
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_a_knob_that_only_tunes_speed_warns_once_and_runs():
     # in its own process: Python shows a warning once per place, so only a fresh process proves "once"
     res = run("config", "--check", "models.policy.batch_generation.min_prompt_length=4",

@@ -225,6 +225,7 @@ def test_a_rule_reward_reads_the_reference_answer_from_answer_key():
     assert math_reward({"response": "so \\boxed{4}", "solution": "#### 4"}, answer_key="solution") == 1.0
 
 
+@pytest.mark.slow
 def test_the_drivers_peak_memory_does_not_grow_with_the_parquet_file(tmp_path):
     """The preflight and the pickling of 20k and 400k records (bench/data_streaming.py measures 100k and 1M):
     the driver's peak RSS above its baseline is about the same; the records are shipped as paths at 400k."""

@@ -46,6 +46,7 @@ def _growth_mb(mode: str) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_bound_model_process_stops_growing_on_new_bf16_shapes():
     with ThreadPoolExecutor(2) as pool:
         unbounded, bound = pool.map(_growth_mb, ["plain", "bound"])

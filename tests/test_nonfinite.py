@@ -178,6 +178,7 @@ def _sharded_save_worker(rank: int, port: int, path: str, out: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_nan_in_one_ranks_shard_stops_every_rank_with_the_same_error(tmp_path):
     """Sharded (FSDP2) checkpoint on a real 2-rank gloo group: rank 1's shard holds a NaN, rank 0's does not.
     Both ranks raise the same RunError naming the model, the tensor and the rank, at once (neither waits for

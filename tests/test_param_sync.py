@@ -65,6 +65,7 @@ def _worker(rank: int, port: int, max_bytes: int, coalesce: bool, out: dict) -> 
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_bytes,coalesce", [(1024, True), (10_000, True), (1 << 20, True), (1 << 20, False)])
 def test_broadcast_between_two_processes_is_bit_exact(max_bytes, coalesce):
     """Buckets smaller than the largest tensor (1 KiB, 10 KB), larger than all of them (1 MiB), and per tensor."""
@@ -104,6 +105,7 @@ def _tied_worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_tied_tensor_is_sent_once_and_the_receiver_stays_tied():
     assert [s[0] for s in specs_of(tied_state(True))] == ["embed_tokens.weight", "norm.weight"]
     with mp.Manager() as manager:
@@ -173,6 +175,7 @@ def _tp_worker(rank: int, ports: tuple[int, int], out: dict) -> None:
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sender_and_receivers_with_buckets_tp_slices_and_a_colocated_rank_are_bit_exact():
     """Bit for bit into every receiver, by broadcast and by p2p, in place; with ``debug`` every receiver's
     digests, the colocated one's too, equal the trainer's (a colocated TP rank once skipped its digests, and

@@ -60,6 +60,7 @@ def test_the_code_fields_of_a_config_and_what_it_imports(tmp_path):
                                "chatlearn.tasks.max_digit:format_reward"]
 
 
+@pytest.mark.slow
 def test_the_parameter_schema_refuses_each_changed_code_field_naming_it():
     from prefect.utilities.callables import parameter_schema
     from prefect.utilities.schema_tools import ValidationError, validate

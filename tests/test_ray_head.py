@@ -45,6 +45,7 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not reaper.supported(), reason="the reaper reads /proc (Linux)")
 def test_the_reaper_ends_the_tree_of_a_sigkilled_driver_and_nothing_else():
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=REPO, stdout=subprocess.PIPE, text=True)

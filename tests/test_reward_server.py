@@ -134,6 +134,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_remote_scores_equal_the_in_process_reward_models(server, reward_model):
     local = bound({"model_path": reward_model})
     remote = bound({"remote_url": server.url, "remote_batch_size": 5})
@@ -308,6 +309,7 @@ def test_a_wrong_answer_is_a_run_error_naming_the_url():
                                   f"sample_id 0 (prompt \"{PROMPTS[0]}\")")
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_is_a_run_error_and_one_restarted_on_the_same_port_is_retried(server):
     url, port = server.url, server.port
     data = batch()

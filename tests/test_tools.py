@@ -142,6 +142,7 @@ def test_the_scratch_dir_is_removed_afterwards(box, monkeypatch, tmp_path):
     assert r.output == "ok\n" and os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_an_infinite_loop_is_stopped_by_the_cpu_limit(box):
     start = time.monotonic()
     r = box.run("while True:\n    pass")
@@ -167,6 +168,7 @@ def test_a_memory_bomb_is_a_memory_error_and_the_driver_is_unaffected(box):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB: the driver did not grow
 
 
+@pytest.mark.slow
 def test_a_fork_bomb_is_contained_and_nothing_is_left(box, isolation):
     needs(isolation, "unprivileged_uid")
     assert nobody_processes() == []

@@ -124,6 +124,7 @@ def test_the_log_section_is_checked_and_free_to_change(tmp_path):
     assert "runtime.log_args_dict.*" in FREE_FIELDS  # turning a tracker on is no change to what a run trains
 
 
+@pytest.mark.slow
 def test_three_trackers_get_every_episode_and_a_resume_continues_their_runs(tmp_path, mlflow_server, monkeypatch):
     """Episodes 1-2, a crash after episode 2 logged (checkpoint at 1), a resume that re-runs 2 and runs 3: each
     tracker holds steps 1, 2, 3 once, in one run, with the config as parameters."""
