@@ -174,3 +174,47 @@ def mlflow_server(tmp_path_factory):
     proc.terminate()
     proc.wait(timeout=30)
     log.close()
+
+
+def machine_state() -> str:
+    """Memory, disk, this process's open files and threads, and the machine's processes: what a failure on another
+    machine (CI) needs beside its message."""
+    import shutil
+
+    with open("/proc/meminfo") as f:
+        meminfo = dict(line.split(":", 1) for line in f)
+    available_mb = int(meminfo["MemAvailable"].split()[0]) // 1024
+    free_mb = shutil.disk_usage(tempfile.gettempdir()).free // 2**20
+    processes = sum(name.isdigit() for name in os.listdir("/proc"))
+    return (f"memory available {available_mb} MB, {tempfile.gettempdir()} free {free_mb} MB, open files "
+            f"{len(os.listdir('/proc/self/fd'))}, threads {len(os.listdir('/proc/self/task'))}, processes {processes}")
+
+
+class FailuresAsTheyHappen:
+    """Each failure's last line (the first three in full) printed when it happens, with the machine's state: a CI
+    run cut off at its time limit prints no summary, and a failure that is the machine's shows in its numbers."""
+
+    SHOWN = 30
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.count = 0
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        terminal = self.config.pluginmanager.get_plugin("terminalreporter")  # registered after conftest's configure
+        if not report.failed or terminal is None:
+            return
+        self.count += 1
+        if self.count > self.SHOWN:
+            return
+        lines = report.longreprtext.strip().splitlines() or [""]
+        terminal.write_line("")
+        if self.count <= 3:
+            for line in lines[-40:]:
+                terminal.write_line(f"    {line}")
+        message = [line for line in lines if line.startswith("E ")] or lines  # the exception's own lines
+        terminal.write_line(f"FAILED ({report.when}) {report.nodeid}: {message[-1][:300]} [{machine_state()}]")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(FailuresAsTheyHappen(config), "failures-as-they-happen")
