@@ -41,7 +41,8 @@ def model_call(ctx: RunContext, flow: ComputeFlow, node: FlowNode, index: int, u
         rules = None
         if node.model in ctx.spec.rule_rewards:  # scored by Prefect tasks on Ray first, off the turn
             futures = fan_out_rule(ctx.spec.rule_rewards[node.model], node.model,
-                                   [batch_refs(upstream, i) for i in range(batches.count)], batches.episode_start)
+                                   [batch_refs(upstream, i) for i in range(batches.count)], batches.episode_start,
+                                   clock.timeout_s)
             rules = [f.output(clock) for f in futures]
         turns.wait(index, clock)
         calls = send(ctx, flow, index, upstream, batches, rules)

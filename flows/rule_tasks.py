@@ -23,11 +23,14 @@ from chatlearn.runtime.prefect.ray_tasks import ray_task_runner
 
 
 @task(name="rule-reward", cache_policy=NO_CACHE)
-def rule_reward(batch: RefBox, rule: RuleSpec, episode_start: int | None = None) -> list[float]:
+def rule_reward(batch: RefBox, rule: RuleSpec, episode_start: int | None = None,
+                fetch_timeout_s: float | None = None) -> list[float]:
     """A rule reward on one batch (the merged outputs of the calls it reads, ``batch.refs``, made already: a
-    fetch), in a Ray worker. An error (a RewardError) names the hook and the sample, by its index in the episode
-    when ``episode_start`` (the episode's first ``sample_id``) is given."""
-    return rule.score(merge_batches(*ray.get(batch.refs, timeout=rule.timeout_s)), episode_start)
+    fetch, within ``fetch_timeout_s``, the stage's limit, as a model process fetches its inputs; the rule's own
+    ``timeout_s`` bounds each call of its hook, not a transfer on a busy machine), in a Ray worker. An error (a
+    RewardError) names the hook and the sample, by its index in the episode when ``episode_start`` (the
+    episode's first ``sample_id``) is given."""
+    return rule.score(merge_batches(*ray.get(batch.refs, timeout=fetch_timeout_s)), episode_start)
 
 
 class RuleFuture:
@@ -52,13 +55,14 @@ class RuleFuture:
         return {score_key(self.model): torch.tensor(self.result(clock), dtype=torch.float32)}
 
 
-def fan_out_rule(rule: RuleSpec, model: str, batches: list[list[Any]],
-                 episode_start: int | None = None) -> list[RuleFuture]:
+def fan_out_rule(rule: RuleSpec, model: str, batches: list[list[Any]], episode_start: int | None = None,
+                 fetch_timeout_s: float | None = None) -> list[RuleFuture]:
     """One `rule-reward` Prefect task per batch (the refs of the outputs it reads) of ``model``'s rule on Ray, all
     in parallel, each with the rule's CPUs (no Ray retries: a retried task would try to enter Running again);
-    their futures in batch order. ``episode_start``: see `rule_reward`."""
+    their futures in batch order. ``episode_start``, ``fetch_timeout_s``: see `rule_reward`."""
     runner = ray_task_runner()
     with remote_options(num_cpus=rule.num_cpus, max_retries=0):
         return [RuleFuture(runner.submit(rule_reward, {"batch": RefBox(list(refs)), "rule": rule,
-                                                       "episode_start": episode_start}), model)
+                                                       "episode_start": episode_start,
+                                                       "fetch_timeout_s": fetch_timeout_s}), model)
                 for refs in batches]
