@@ -179,15 +179,21 @@ def mlflow_server(tmp_path_factory):
 def machine_state() -> str:
     """Memory, disk, this process's open files and threads, and the machine's processes: what a failure on another
     machine (CI) needs beside its message."""
+    import contextlib
     import shutil
 
     with open("/proc/meminfo") as f:
         meminfo = dict(line.split(":", 1) for line in f)
     available_mb = int(meminfo["MemAvailable"].split()[0]) // 1024
     free_mb = shutil.disk_usage(tempfile.gettempdir()).free // 2**20
-    processes = sum(name.isdigit() for name in os.listdir("/proc"))
+    pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    threads = 0
+    for pid in pids:  # a user's threads count against its process limit (ulimit -u), every process's together
+        with contextlib.suppress(OSError):
+            threads += len(os.listdir(f"/proc/{pid}/task"))
     return (f"memory available {available_mb} MB, {tempfile.gettempdir()} free {free_mb} MB, open files "
-            f"{len(os.listdir('/proc/self/fd'))}, threads {len(os.listdir('/proc/self/task'))}, processes {processes}")
+            f"{len(os.listdir('/proc/self/fd'))}, threads {len(os.listdir('/proc/self/task'))}; on the machine "
+            f"{len(pids)} processes, {threads} threads")
 
 
 class FailuresAsTheyHappen:
