@@ -7,12 +7,16 @@ provides a real API for the whole session, with flow heartbeats off (they cost ~
 import os
 import tempfile
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="prefect-home-"))
+# homes of the session's own: a pytest-xdist worker (`make test` runs two) inherits the controller's environment,
+# so it takes fresh ones, or the workers' runs would join each other's local Prefect server
+_FRESH = "PYTEST_XDIST_WORKER" in os.environ
+for _name, _prefix in (("PREFECT_HOME", "prefect-home-"), ("CHATLEARN_PREFECT_HOME", "chatlearn-prefect-")):
+    if _FRESH or _name not in os.environ:
+        os.environ[_name] = tempfile.mkdtemp(prefix=_prefix)
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("CHATLEARN_PREFECT_HOME", tempfile.mkdtemp(prefix="chatlearn-prefect-"))
 
 import resource  # noqa: E402
 
