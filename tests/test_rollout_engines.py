@@ -106,16 +106,23 @@ def engine_problems(*overrides: str, config: str = DEFAULT) -> list[str]:
     return []
 
 
-def test_gpu_engines_are_known_names_refused_and_a_typo_lists_the_engines():
+def test_sglang_is_a_known_name_refused_vllms_limits_are_named_and_a_typo_lists_the_engines():
     assert engine_problems("runtime.rollout_engine=continuous") == []
-    assert engine_problems("runtime.rollout_engine=vllm") == [
-        "runtime.rollout_engine: 'vllm' needs a GPU build of vLLM and is not supported yet; use one of "
-        "['continuous', 'hf']"]
-    assert engine_problems("runtime.rollout_engine=sglang")[0].startswith(
-        "runtime.rollout_engine: 'sglang' needs a GPU build of SGLang")
+    assert engine_problems("runtime.rollout_engine=vllm") == []
+    assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.top_k=5") == [
+        "models.policy.args_dict.top_k with runtime.rollout_engine 'vllm' is not supported yet (its log-probs "
+        "would be over the top-k tokens only)"]
+    assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.min_new_tokens=2",
+                           "runtime.use_partial_rollout=true")[:2] == [
+        "models.policy.args_dict.min_new_tokens with runtime.rollout_engine 'vllm' is not supported yet (its "
+        "log-probs would be renormalised without EOS for those tokens)",
+        "runtime.use_partial_rollout with runtime.rollout_engine 'vllm' is not supported yet"]
+    assert engine_problems("runtime.rollout_engine=sglang") == [
+        "runtime.rollout_engine: 'sglang' needs a GPU build of SGLang and is not supported yet; use one of "
+        "['continuous', 'hf', 'vllm']"]
     assert engine_problems("runtime.rollout_engine=contineous") == [
         "runtime.rollout_engine: 'contineous' is not a rollout engine; did you mean continuous? (one of "
-        "['continuous', 'hf'])"]
+        "['continuous', 'hf', 'vllm'])"]
 
 
 def test_pipeline_stages_generate_with_hf_only():
@@ -187,7 +194,7 @@ def test_an_engine_refuses_a_model_it_cannot_run_naming_the_engines_that_can(tin
     with pytest.raises(ValueError) as err:
         make_engine("no_llama", model, "models.policy (tiny)")
     assert str(err.value) == ("runtime.rollout_engine: 'no_llama' does not support the llama architecture of "
-                              "models.policy (tiny); use rollout_engine: continuous or hf")
+                              "models.policy (tiny); use rollout_engine: continuous or hf or vllm")
 
 
 def test_slot_memory_that_held_anything_does_not_reach_the_responses(biased, monkeypatch):

@@ -250,7 +250,8 @@ class RuntimeConfig(Section):
         description="generation backend of the inference policy (ChatLearn HEAD's key): 'hf', one Hugging Face "
         "generate per batch (every row runs until the batch's longest response ends); 'continuous', continuous "
         "batching (a finished response frees its slot for the next prompt: policy args_dict.max_num_seqs); "
-        "'vllm' and 'sglang' need a GPU build and are not supported yet",
+        "'vllm', vLLM in the policy's process (the `vllm` extra; the CPU build here); 'sglang' needs a GPU build "
+        "and is not supported yet",
     )
     max_staleness: int = Field(
         default=0, ge=0,

@@ -8,6 +8,7 @@ generation) passes activations stage to stage with plain send/recv. The replica'
 from :class:`chatlearn.models.parallel.ParallelContext` (``ctx`` below).
 """
 
+import inspect
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+# the masks' KV-cache argument: `cache` from transformers 5.2x, `past_key_values` before (5.19, which vLLM 0.32 needs)
+_NO_CACHE = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 __all__ = ["LMStage", "PipelinedLM", "gather_stages", "pipeline_train", "pipelined_logits", "shared_parameters",
            "stage_layers", "stage_parameters", "sum_shared_grads"]
@@ -55,8 +59,8 @@ class LMStage(torch.nn.Module):
                 "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention")
             if kind not in masks:
                 make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-                masks[kind] = make(config=self.config, inputs_embeds=h, attention_mask=attention_mask, cache=None,
-                                   position_ids=position_ids)
+                masks[kind] = make(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
+                                   position_ids=position_ids, **{_NO_CACHE: None})
             h = layer(h, attention_mask=masks[kind], position_embeddings=pe, position_ids=position_ids)
         if self.last:
             h = self.lm_head(self.norm(h))

@@ -14,6 +14,7 @@ from chatlearn.models.hf.common import (
     response_logprobs,
 )
 from chatlearn.models.hf.rollout import ROLLOUT_ENGINES, PerSampleSampler, Request, RolloutEngine, make_engine
+from chatlearn.models.hf.vllm_engine import VLLMEngine  # noqa: F401  registers rollout_engine: vllm
 
 __all__ = ["PerSampleSampler", "PolicyArgs", "PolicyInference", "response_mask_from_eos"]
 

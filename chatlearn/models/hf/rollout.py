@@ -27,10 +27,11 @@ seed, the sample id and the token's index in its response only, so a sample gets
 engine, batch or slot it ran in (up to the last bits of the logits, which depend on the batch's shapes).
 Both return the sampled tokens' log-probs, read from the model's logits as the tokens are drawn.
 
-``vllm`` and ``sglang`` (ChatLearn's GPU engines) are registered as :class:`NotSupportedYet` entries: known
-names whose ``problems`` refuse them (they need a GPU build). An engine for one replaces its entry here.
+``vllm`` (vLLM in the policy's process) is `chatlearn.models.hf.vllm_engine`. ``sglang`` is registered as a
+:class:`NotSupportedYet` entry: a known name whose ``problems`` refuse it (it needs a GPU build).
 """
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -153,14 +154,15 @@ class NotSupportedYet(RolloutEngine):
         raise NotImplementedError(f"rollout engine {self.name!r} needs {self.needs}")
 
 
-@register_rollout_engine("vllm")
-class VLLMNotYet(NotSupportedYet):
-    needs = "a GPU build of vLLM"
-
-
 @register_rollout_engine("sglang")
 class SGLangNotYet(NotSupportedYet):
     needs = "a GPU build of SGLang"
+
+
+def kv_cache_argument(model: Any) -> str:
+    """The name of the KV cache in ``model``'s forward and output: ``cache`` from transformers 5.2x,
+    ``past_key_values`` before (5.19, which vLLM 0.32 needs)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def ban_eos(scores: torch.Tensor, steps: list[int], min_new_tokens: int, eos_token_id: int | None) -> torch.Tensor:
@@ -380,6 +382,7 @@ class ContinuousBatching(RolloutEngine):
     @torch.no_grad()
     def generate(self, req: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
         model = self.model
+        cache_name = kv_cache_argument(model)
         device = req.prompt_ids.device
         n = req.prompt_ids.shape[0]
         sample = req.do_sample
@@ -428,19 +431,19 @@ class ContinuousBatching(RolloutEngine):
                     ids[r, width - lengths[r]:] = prompts[i]
                     mask[r, width - lengths[r]:] = 1
                 out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                            cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+                            **{cache_name: DynamicCache(config=model.config)}, use_cache=True, logits_to_keep=1)
                 nxt, lp = pick(out.logits[:, -1, :], group)
                 ended = set(record(group, nxt, lp))
                 going = [r for r in range(len(group)) if r not in ended]
-                slots.add(out.cache, width, going, [lengths[r] for r in going], [group[r] for r in going],
-                          nxt[going].cpu())
+                slots.add(getattr(out, cache_name), width, going, [lengths[r] for r in going],
+                          [group[r] for r in going], nxt[going].cpu())
                 continue
             # one decode step for every live sequence
             live = slots.live
             lens = slots.lens[:live]
             mask = (torch.arange(int(lens.max()) + 1) <= lens[:, None]).long()
             out = model(input_ids=slots.next[:live, None].to(device), attention_mask=mask.to(device),
-                        position_ids=lens[:, None].to(device), cache=slots.cache, use_cache=True)
+                        position_ids=lens[:, None].to(device), **{cache_name: slots.cache}, use_cache=True)
             slots.lens[:live] += 1
             rows = list(slots.index)
             nxt, lp = pick(out.logits[:, -1, :], rows)

