@@ -1,5 +1,6 @@
 """GPU smoke run: the embedded default (PPO), GRPO on the tiny Qwen2 (tied embeddings, grouped-query
-attention), online DPO with LoRA, and GRPO in bf16 with continuous batching and packing, each with every
+attention), online DPO with LoRA, GRPO in bf16 with continuous batching and packing, and GRPO generating with
+vLLM (`configs/grpo_vllm.yaml`; `make setup` installs vLLM's CUDA build where torch is a CUDA one), each with every
 model on one CUDA device, colocated in one process, handing memory over between stages (`free_memory`), two
 episodes with a checkpoint each. Needs a CUDA device (CI never has one; the CPU runs of the same configs are
 the test suite's).
@@ -35,6 +36,9 @@ RUNS = {
                              ["runtime.rollout_engine=continuous", "models.ppo_policy.packing=true",
                               "models.reference.packing=true"]
                              + [f"models.{m}.args_dict.bf16=true" for m in ("policy", "reference", "ppo_policy")]),
+    # issue 46: vLLM's CUDA build in the policy's process (KV cache of a fixed size: VLLMEngine.kv_cache_bytes);
+    # not run on a GPU yet. Sleep mode between stages and an NCCL sync to a separate replica are still to come
+    "GRPO, vllm": ("grpo_vllm", ["policy", "reference", "reward", "ppo_policy"], []),
 }
 
 
