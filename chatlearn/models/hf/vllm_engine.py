@@ -46,6 +46,8 @@ class VLLMEngine(RolloutEngine):
 
     # the KV cache of the CPU build, in bytes (vLLM would take most of the machine's free memory)
     kv_cache_bytes: ClassVar[int] = 256 << 20
+    # the longest prompt and response vLLM takes (its KV cache must hold one: 48 MB on Qwen2.5-0.5B in bf16)
+    max_model_len: ClassVar[int] = 4096
 
     def __init__(self, model: Any, stages: Any = None) -> None:
         super().__init__(model, stages)
@@ -63,7 +65,7 @@ class VLLMEngine(RolloutEngine):
         set_threads = torch.set_num_threads
         try:
             self.llm = LLM(model=path, dtype=dtype, enforce_eager=True, seed=0,
-                           max_model_len=model.config.max_position_embeddings,
+                           max_model_len=min(model.config.max_position_embeddings, self.max_model_len),
                            kv_cache_memory_bytes=self.kv_cache_bytes, logprobs_mode="processed_logprobs",
                            enable_prefix_caching=False)
         finally:
