@@ -6,8 +6,8 @@ Two workloads, each generation batch drawn with the per-sample sampler as a run 
   near 64 tokens, limit 256; 512 prompts of 8-64 tokens), one batch of 512;
 * **default**: the embedded default's policy (the tiny Llama, ``configs/default.yaml``'s ``max_new_tokens``),
   one batch of the default's ``generation_batch_size`` max-digit prompts;
-* **qwen0.5b**: a random-init model of Qwen2.5-0.5B's shapes (bf16 where the CPU has it), one batch of 32
-  prompts of the variable work, 32 new tokens each (the issue's GRPO episode).
+* **qwen0.5b**: a random-init model of Qwen2.5-0.5B's shapes (bf16 where the CPU has it) with the tiny Llama's
+  character tokenizer, one batch of 32 max-digit prompts, 32 new tokens each (the issue's GRPO episode).
 
 Engines: ``hf``, ``continuous`` and ``vllm`` (vLLM's CPU build; its start-up, loading the model, is reported
 apart: the ``startup s`` column).
@@ -112,14 +112,18 @@ def main(args: argparse.Namespace) -> None:
     with (work / "default.jsonl").open("w") as f:
         for rec in make_records(batch, seed=0):
             f.write(json.dumps(rec) + "\n")
-    build_qwen05(work / "qwen0.5b-model", work / "variable-model")
+    build_qwen05(work / "qwen0.5b-model", work / "default-model")
+    with (work / "qwen.jsonl").open("w") as f:
+        for rec in make_records(32, seed=1):
+            f.write(json.dumps(rec) + "\n")
     bf16 = "bfloat16" if vs_trl.cpu_has_bf16() else "float32"
     setups = {"variable": (work / "variable-model", work / "variable.jsonl", "prompt", 512, wl.new_tokens,
                            "float32"),
               "default": (work / "default-model", work / "default.jsonl", policy.get("prompt_key", "prompt"),
                           batch, int(policy["max_new_tokens"]), "float32"),
               # GRPO's episode of the issue: 32 samples of 32 tokens (random init: EOS almost never comes)
-              "qwen0.5b": (work / "qwen0.5b-model", work / "variable.jsonl", "prompt", 32, 32, bf16)}
+              "qwen0.5b": (work / "qwen0.5b-model", work / "qwen.jsonl", policy.get("prompt_key", "prompt"), 32, 32,
+                           bf16)}
     results = {}
     for name, modes in MODES.items():
         if args.only and name not in args.only:
@@ -149,7 +153,7 @@ def build_qwen05(path: Path, tokenizer_from: Path) -> None:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)  # a character-level one: it reads the same as Qwen2's BPE
     tok.save_pretrained(path)
     torch.manual_seed(0)
     config = Qwen2Config(**QWEN05, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
