@@ -7,8 +7,8 @@ provides a real API for the whole session, with flow heartbeats off (they cost ~
 import os
 import tempfile
 
-# homes of the session's own: a pytest-xdist worker (`make test` runs two) inherits the controller's environment,
-# so it takes fresh ones, or the workers' runs would join each other's local Prefect server
+# homes of the session's own: a pytest-xdist worker (`-n N`; `make test` runs none) inherits the controller's
+# environment, so it takes fresh ones, or the workers' runs would join each other's local Prefect server
 _FRESH = "PYTEST_XDIST_WORKER" in os.environ
 for _name, _prefix in (("PREFECT_HOME", "prefect-home-"), ("CHATLEARN_PREFECT_HOME", "chatlearn-prefect-")):
     if _FRESH or _name not in os.environ:

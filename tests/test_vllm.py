@@ -10,15 +10,16 @@ from tests.test_engine_runs import rows_of, small
 ARCHITECTURES = ["tiny_model_dir", "tiny_qwen2_dir"]  # the embedded Llama; a tied GQA Qwen2
 
 
-def hf_logprobs(model, prompt_ids, prompt_mask, response_ids):
-    """Each response token's log-prob under ``model`` (float32, full vocabulary): what the trainers compute."""
-    rows = []
-    for ids, mask, response in zip(prompt_ids, prompt_mask, response_ids, strict=True):
-        prompt = ids[mask.bool()]
-        with torch.no_grad():
-            logits = model(torch.cat([prompt, response])[None]).logits[0].float()
-        rows.append(logits[len(prompt) - 1:-1].log_softmax(-1).gather(-1, response[:, None]).squeeze(-1))
-    return torch.stack(rows)
+def trainer_logprobs(model, prompt_ids, prompt_mask, response_ids, temperature):
+    """Each response token's log-prob as the trainers compute it (`response_logprobs`: temperature-scaled, whole
+    vocabulary; 0 after a response's EOS, id 2)."""
+    from chatlearn.models.hf.common import response_logprobs
+    from chatlearn.models.hf.policy import response_mask_from_eos
+
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+             "response_mask": response_mask_from_eos(response_ids, 2)}
+    with torch.no_grad():
+        return response_logprobs(model, batch, torch.device("cpu"), temperature)
 
 
 @pytest.mark.slow
@@ -43,8 +44,7 @@ def test_the_engine_samples_per_request_and_follows_the_models_weights(fixture, 
     assert batch.shape == (3, 6)
     # the sampled tokens' log-probs are the trainer's (temperature-scaled, whole vocabulary) within 1e-4 (float32
     # kernels of two libraries)
-    scaled = _Scaled(model, 0.7)
-    torch.testing.assert_close(logprobs, hf_logprobs(scaled, ids, mask, batch) * within(batch), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logprobs, trainer_logprobs(model, ids, mask, batch, 0.7), atol=1e-4, rtol=0)
     # a sample's draw is its own: alone, or after another in a batch of two, the same tokens
     alone, _ = generate([2], [12])
     pair, _ = generate([1, 2], [11, 12])
@@ -58,28 +58,7 @@ def test_the_engine_samples_per_request_and_follows_the_models_weights(fixture, 
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.2)
     after, after_logprobs = generate([0, 1, 2], [10, 11, 12])
     assert engine.sync_seconds > 0 and not torch.equal(after, batch)
-    torch.testing.assert_close(after_logprobs, hf_logprobs(scaled, ids, mask, after) * within(after), atol=1e-4,
-                               rtol=0)
-
-
-def within(response_ids):
-    """1 up to and including a response's EOS (id 2), 0 after it: the padding the policy masks."""
-    from chatlearn.models.hf.policy import response_mask_from_eos
-
-    return response_mask_from_eos(response_ids, 2)
-
-
-class _Scaled(torch.nn.Module):
-    """``model`` with its logits divided by the sampling temperature (the trainers' log-probs)."""
-
-    def __init__(self, model, temperature):
-        super().__init__()
-        self.model, self.temperature = model, temperature
-
-    def forward(self, ids):
-        out = self.model(ids)
-        out.logits = out.logits / self.temperature
-        return out
+    torch.testing.assert_close(after_logprobs, trainer_logprobs(model, ids, mask, after, 0.7), atol=1e-4, rtol=0)
 
 
 @pytest.mark.integration

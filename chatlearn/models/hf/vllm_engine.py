@@ -61,7 +61,6 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"runtime.rollout_engine: 'vllm' loads the policy from its model directory; the "
                              f"policy's model has none ({path!r})")
         dtype = _DTYPES.get(next(model.parameters()).dtype)
-        start = time.perf_counter()
         set_threads = torch.set_num_threads
         try:
             self.llm = LLM(model=path, dtype=dtype, enforce_eager=True, seed=0,
@@ -70,7 +69,6 @@ class VLLMEngine(RolloutEngine):
                            enable_prefix_caching=False)
         finally:
             torch.set_num_threads = set_threads  # vLLM's CPU worker replaces it with a no-op for the process
-        self.startup_seconds = time.perf_counter() - start
         self.sync_seconds = 0.0
         self._pushed = self._version()
 
@@ -85,7 +83,7 @@ class VLLMEngine(RolloutEngine):
         if int(args.get("top_k", 0) or 0) > 0:
             found.append(f"{where}.top_k with runtime.rollout_engine 'vllm' is not supported yet (its log-probs "
                          "would be over the top-k tokens only)")
-        if float(args.get("top_p", 1.0) if args.get("top_p") is not None else 1.0) < 1.0:
+        if args.get("top_p") is not None and float(args["top_p"]) < 1.0:
             found.append(f"{where}.top_p with runtime.rollout_engine 'vllm' is not supported yet (its log-probs "
                          "would be over the top-p tokens only)")
         if int(args.get("min_new_tokens", 0) or 0) > 0:
