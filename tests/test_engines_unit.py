@@ -323,6 +323,9 @@ def test_current_old_logprobs_are_the_proximal_ones_of_a_rollout_correction(tiny
         grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
     assert stats[1]["rollout_is_ratio_mean"] == pytest.approx(2.0, rel=1e-5)
     assert stats[1]["rollout_is_clipped_frac"] == 0.0 and "rollout_is_ratio_mean" not in stats[0]
+    # the sampler's log-probs against the training forward's: ln 2 apart on every token, k3 = 2 - 1 - ln 2
+    assert stats[1]["rollout_logprob_diff_mean"] == pytest.approx(math.log(2.0), rel=1e-5)
+    assert stats[1]["rollout_kl"] == pytest.approx(1.0 - math.log(2.0), rel=1e-5)
     assert stats[0]["policy_loss"] == pytest.approx(stats[1]["policy_loss"], abs=1e-6)
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-4)
@@ -344,7 +347,13 @@ def test_a_rollout_correction_weighs_the_gradient_by_proximal_over_behaviour(tin
         if correction != "none":
             stats = trainer.episode_stats(list(samples))
             assert stats == pytest.approx({"rollout_is_ratio_mean": 2.0, "rollout_is_ratio_max": 2.0,
-                                           "rollout_is_clipped_frac": 0.0}, rel=1e-5)
+                                           "rollout_is_clipped_frac": 0.0,
+                                           "rollout_logprob_diff_mean": math.log(2.0),
+                                           "rollout_logprob_diff_max": math.log(2.0),
+                                           "rollout_kl": 1.0 - math.log(2.0)}, rel=1e-5)
+        else:  # no correction: the mismatch is still measured
+            assert set(trainer.episode_stats(list(samples))) == {"rollout_logprob_diff_mean",
+                                                                 "rollout_logprob_diff_max", "rollout_kl"}
         trainer.optimizer.step = lambda: None  # keep the weights: compare the accumulated gradients
         trainer.train_step([collate_samples(samples[c], 0) for c in (slice(0, 5), slice(5, 12))], 0)
         grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})

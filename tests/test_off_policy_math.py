@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from chatlearn.algorithms import get_policy_loss, get_rollout_correction
+from chatlearn.algorithms import get_policy_loss, get_rollout_correction, logprob_mismatch
 
 NAN = float("nan")
 # proximal - behaviour per token: sequence 0 has ratios 2, 0.5, 9; sequence 1 has 1.5, 0.25 and a padding slot
@@ -40,6 +40,19 @@ def test_each_correction_weighs_and_counts_as_computed_by_hand(name):
     assert stats == pytest.approx({"rollout_is_ratio_mean": mean, "rollout_is_ratio_max": top,
                                    "rollout_is_clipped_frac": clipped}, rel=1e-5)
     assert not got.requires_grad
+
+
+def test_the_sampler_trainer_mismatch_as_computed_by_hand():
+    """Trainer (proximal) against sampler (behaviour) on the 5 valid tokens: |log r| = ln 2, ln 2, ln 9, ln 1.5,
+    ln 4; k3 = r - 1 - ln r per token; the padding slot's garbage is left out."""
+    proximal, behaviour = _inputs()
+    ratios = [2.0, 0.5, 9.0, 1.5, 0.25]
+    stats = logprob_mismatch(proximal, behaviour, MASK)
+    assert stats == pytest.approx({"rollout_logprob_diff_mean": sum(abs(math.log(r)) for r in ratios) / 5,
+                                   "rollout_logprob_diff_max": math.log(9.0),
+                                   "rollout_kl": sum(r - 1 - math.log(r) for r in ratios) / 5}, rel=1e-5)
+    assert logprob_mismatch(behaviour, behaviour, MASK) == {"rollout_logprob_diff_mean": 0.0,
+                                                            "rollout_logprob_diff_max": 0.0, "rollout_kl": 0.0}
 
 
 def test_a_huge_sequence_ratio_is_reported_finite_and_the_cap_is_checked():

@@ -63,14 +63,17 @@ def test_the_engine_samples_per_request_and_follows_the_models_weights(fixture, 
 
 @pytest.mark.integration
 def test_grpo_with_vllm_trains_on_the_weights_it_sampled_with(prefect_api, ray_session, tiny_model_dir, tmp_path):
-    """Two GRPO episodes, one step each, with vLLM's log-probs as the old ones: each step is on-policy (ratio 1,
-    nothing clipped) only if vLLM sampled on the trainer's weights, episode 2 on those synced after episode 1."""
+    """Two GRPO episodes, one step each, the trainer scoring the samples (`old_logprobs: trainer`): the episode's
+    mismatch metrics compare vLLM's log-probs with the trainer's, token by token, and are ~0 only if vLLM sampled
+    on the trainer's weights, episode 2 on those synced after episode 1."""
     from flows import train_flow
 
-    cfg = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32", "runtime.rollout_engine=vllm")
+    cfg = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32", "runtime.rollout_engine=vllm",
+                "models.ppo_policy.args_dict.old_logprobs=trainer")
     train_flow(cfg)
     rows = rows_of(tmp_path / cfg.runtime.exp_name)
     assert [r["episode"] for r in rows] == [1, 2] and all(r["num_samples"] == 32 for r in rows)
-    for r in rows:
+    for r in rows:  # float32 on both sides: what is left is kernel rounding
+        assert r["rollout_logprob_diff_max"] < 1e-4 and r["rollout_kl"] < 1e-8, r
         assert r["approx_kl"] == pytest.approx(0.0, abs=1e-5) and r["clipfrac"] == 0.0, r
     assert rows[1]["kl_loss"] > 0 and "eval_exact_match" in rows[1]

@@ -13,6 +13,7 @@ import chatlearn.algorithms.advantages  # noqa: F401  (registers the advantage e
 import chatlearn.algorithms.grpo  # noqa: F401  (registers "grpo", "gspo" and "cispo")
 import chatlearn.algorithms.kl  # noqa: F401  (registers the KL estimators k1, k2, k3)
 import chatlearn.algorithms.off_policy  # noqa: F401  (registers the rollout corrections: tis_*, mis_*, decoupled)
+from chatlearn.algorithms.off_policy import logprob_mismatch
 
 # ppo.py imports the registry itself, so importing it here registers the built-ins.
 from chatlearn.algorithms.ppo import (
@@ -63,6 +64,7 @@ __all__ = [
     "get_rollout_correction",
     "get_value_loss",
     "kl_penalized_rewards",
+    "logprob_mismatch",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

@@ -15,6 +15,9 @@ sampler recorded), bounded by ``cap``. Each correction is a registered pure func
 * ``decoupled``: the decoupled PPO objective's behaviour weight (AReaL): the token ratio, 0 where it exceeds
   ``cap``.
 
+``logprob_mismatch`` measures how far the sampler's log-probs are from the trainer's on the same tokens (a
+kernel, dtype or engine difference, or staleness), whether or not a correction is applied.
+
 Weights are 0 at padding and carry no gradient. Stats (over valid tokens; over sequences for the ``_seq``
 ones): ``rollout_is_ratio_mean`` and ``rollout_is_ratio_max`` of the ratio before bounding, and
 ``rollout_is_clipped_frac``, the share truncated or left out.
@@ -67,6 +70,21 @@ def _sequence(proximal, behaviour, mask, cap: float, truncate: bool):
         seq_w = torch.where(bounded, torch.zeros_like(seq_ratio), seq_ratio)
     weights = torch.where(valid, seq_w.unsqueeze(-1).expand_as(valid), torch.zeros((), device=valid.device))
     return weights, _stats(seq_ratio, has, bounded & has)
+
+
+def logprob_mismatch(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """The sampler's log-probs against the trainer's, over the valid response tokens: the mean and largest
+    ``|trainer - sampler|`` and ``rollout_kl``, the k3 estimate of KL(sampler || trainer) on the sampled tokens
+    (``r - 1 - log r`` with ``r = exp(trainer - sampler)``: non-negative, 0 only where they agree)."""
+    valid = mask.bool()
+    if not bool(valid.any()):
+        return {"rollout_logprob_diff_mean": 0.0, "rollout_logprob_diff_max": 0.0, "rollout_kl": 0.0}
+    log_r = _token_log_ratio(trainer_logprobs, sampler_logprobs, mask)
+    k3 = torch.exp(torch.clamp(log_r, max=_MAX_LOG_RATIO)) - 1.0 - log_r
+    return {"rollout_logprob_diff_mean": masked_mean(log_r.abs(), valid).item(),
+            "rollout_logprob_diff_max": log_r.abs()[valid].max().item(),
+            "rollout_kl": masked_mean(k3, valid).item()}
 
 
 def _check_cap(cap: float) -> None:

@@ -36,6 +36,7 @@ from chatlearn.algorithms import (
     get_kl_estimator,
     get_policy_loss,
     get_rollout_correction,
+    logprob_mismatch,
     whiten_global_batch,
 )
 from chatlearn.algorithms.aggregation import aggregate_loss, policy_aggregation_problem
@@ -189,11 +190,17 @@ class GRPOPolicyTrainer(CausalLMTrainer):
                                cap=self.args.rollout_is_cap)
 
     def episode_stats(self, samples: list[dict]) -> dict[str, float]:
-        """Over the episode's samples before training: the importance ratios of the rollout correction (with
-        ``old_logprobs: current`` the proximal log-probs come with the training forward: the loss reports them)."""
-        if self.correction is None or not samples or self.args.old_logprobs == "current":
+        """Over the episode's samples before training, where the score stage gave the trainer's log-probs
+        (``old_logprobs: trainer``): the sampler's mismatch with them and the rollout correction's importance
+        ratios. With ``current`` the trainer's log-probs come with the training forward (the loss reports
+        them); with ``generation`` there are none to compare."""
+        if not samples or "old_logprobs" not in samples[0]:
             return {}
-        return self.correction_weights(collate_samples(samples, 0))[1]
+        data = collate_samples(samples, 0)
+        stats = logprob_mismatch(data["old_logprobs"], data["logprobs"], loss_mask(data))
+        if self.correction is not None:
+            stats.update(self.correction_weights(data)[1])
+        return stats
 
     @torch.no_grad()
     def forward_step(self, data, iteration):
@@ -209,7 +216,8 @@ class GRPOPolicyTrainer(CausalLMTrainer):
     def stat_keys(self) -> tuple[str, ...]:
         a = self.args
         return ("policy_loss", *_CLIP_STATS, *(("kl_loss",) if a.kl_coef > 0 else ()),
-                *(("entropy",) if a.entropy_coef > 0 else ()), *self._current_is_stats())
+                *(("entropy",) if a.entropy_coef > 0 else ()), *self._current_is_stats(),
+                *self._current_mismatch_stats())
 
     def _current_is_stats(self) -> tuple[str, ...]:
         """The correction's statistics the loss reports (``old_logprobs: current``): means weighted like the clip
@@ -217,6 +225,11 @@ class GRPOPolicyTrainer(CausalLMTrainer):
         if self.correction is None or self.args.old_logprobs != "current":
             return ()
         return ("rollout_is_ratio_mean", "rollout_is_clipped_frac")
+
+    def _current_mismatch_stats(self) -> tuple[str, ...]:
+        """With ``old_logprobs: current`` the loss compares the sampler's log-probs with the training forward's
+        (means only, as above)."""
+        return ("rollout_logprob_diff_mean", "rollout_kl") if self.args.old_logprobs == "current" else ()
 
     def wants_entropy(self) -> bool:
         return self.args.entropy_coef > 0
@@ -252,4 +265,8 @@ class GRPOPolicyTrainer(CausalLMTrainer):
             part[k] = st[k] * w
         for k in self._current_is_stats():
             part[k] = is_stats[k] * w
+        if a.old_logprobs == "current":
+            mismatch = logprob_mismatch(old, mb["logprobs"].to(self.device), mask)
+            for k in self._current_mismatch_stats():
+                part[k] = mismatch[k] * w
         return (loss * on if on != 1.0 else loss), part
