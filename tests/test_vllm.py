@@ -51,14 +51,28 @@ def test_the_engine_samples_per_request_and_follows_the_models_weights(fixture, 
     alone, pair = (torch.nn.functional.pad(t, (0, 6 - t.shape[1])) for t in (alone, pair))  # pad id 0 to 6 tokens
     assert torch.equal(alone[0], batch[2]) and torch.equal(pair[1], batch[2]) and torch.equal(pair[0], batch[1])
 
-    # the policy's weights change in place (a sync): the next generate pushes them, and samples on them
+    # the policy's weights change in place (a checkpoint load, published weights): the next generate pushes them,
+    # and samples on them
     assert engine.sync_seconds == 0.0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.2)
+
+    def perturb(seed):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
+
+    perturb(0)
     after, after_logprobs = generate([0, 1, 2], [10, 11, 12])
     assert engine.sync_seconds > 0 and not torch.equal(after, batch)
     torch.testing.assert_close(after_logprobs, trainer_logprobs(model, ids, mask, after, 0.7), atol=1e-4, rtol=0)
+    # the sync stage's write: pushed at once (its time the sync's), not again at the generate
+    perturb(1)
+    engine.sync_seconds = 0.0
+    engine.weights_synced()
+    assert engine.sync_seconds > 0
+    engine.sync_seconds = 0.0
+    synced, synced_logprobs = generate([0, 1, 2], [10, 11, 12])
+    assert engine.sync_seconds == 0.0 and not torch.equal(synced, after)
+    torch.testing.assert_close(synced_logprobs, trainer_logprobs(model, ids, mask, synced, 0.7), atol=1e-4, rtol=0)
 
 
 @pytest.mark.integration

@@ -112,6 +112,10 @@ class PolicyInference(HFModule):
             self.runtime_args.rollout_engine, self.model, f"models.{self.name} ({self.args.model_path})",
             stages=self._generate_in_stages if self.pipelined else None)
 
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        super().set_weights(weights)
+        self.rollout.weights_synced()
+
     def build_dataset(self, prompts, is_eval=False):
         if isinstance(prompts, Records):  # checked on the driver, and read lazily: materialised here, it would not be
             return prompts

@@ -137,6 +137,10 @@ class RolloutEngine:
         """The response ids [B, R] and the sampled tokens' log-probs [B, R] (None: not drawn per sample)."""
         raise NotImplementedError(f"{type(self).__name__}.generate")
 
+    def weights_synced(self) -> None:
+        """The sync stage just wrote the policy's weights: an engine with a copy of its own takes them now, so
+        the time counts as the sync's (the engines that decode with the policy's own model have nothing to do)."""
+
 
 class NotSupportedYet(RolloutEngine):
     """A name ChatLearn knows whose engine needs what this build has not (``needs``): refused by the config

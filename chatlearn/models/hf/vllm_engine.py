@@ -2,10 +2,11 @@
 
 The engine is vLLM's offline ``LLM`` over the policy's model directory, with its engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no process of its own to start, watch or kill). The policy's Hugging Face
-model stays the source of the weights: the parameter sync writes into it as for every engine, and before each
-generate the engine pushes its weights into vLLM in place (vLLM's ``reload_weights``, no restart, no disk) when
-they changed since the last push (a parameter's in-place version counter moved). ``sync_seconds`` is the time the
-last push took.
+model stays the source of the weights: the parameter sync writes into it as for every engine, and the engine
+pushes them into vLLM in place (vLLM's ``reload_weights``, no restart, no disk) right after the sync stage wrote
+them (so the push counts in the episode's ``stage_seconds.sync``), and before a generate if they changed since the
+last push otherwise (a parameter's in-place version counter moved). ``sync_seconds`` is the time the last push
+took.
 
 Samples as the other engines draw them, as far as vLLM allows: each response is a request with its own seed
 (from the run seed and the sample id), so its draw does not depend on the batch it ran in; the sampled tokens'
@@ -110,6 +111,11 @@ class VLLMEngine(RolloutEngine):
         self._pushed = self._version()
         self.sync_seconds = time.perf_counter() - start
         return self.sync_seconds
+
+    def weights_synced(self) -> None:
+        # a push at generate catches the other ways weights move (a checkpoint load, published versions)
+        if self._version() != self._pushed:
+            self.push_weights()
 
     def generate(self, req: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
         from vllm import SamplingParams  # here: see __init__
