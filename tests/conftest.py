@@ -147,19 +147,25 @@ def reference_configs(shared_reference):
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on loopback (SQLite store), for the experiment tracker tests; its URI."""
+    """A real `mlflow server` on loopback (SQLite store), for the experiment tracker tests; its URI. The server runs
+    from its own environment (`make setup` makes it): the runs' environment has mlflow's client only."""
     import socket
     import subprocess
     import sys
     import time
     import urllib.request
+    from pathlib import Path
 
+    server_python = Path(sys.prefix) / "mlflow-server" / "bin" / "python"
+    if not server_python.exists():
+        raise RuntimeError(f"the mlflow tracking server's environment is missing: expected {server_python} "
+                           "(`make setup` creates it)")
     home = tmp_path_factory.mktemp("mlflow")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(home / "server.log", "w")  # noqa: SIM115 - open while the server runs
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([str(server_python), "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                              "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--default-artifact-root",
                              str(home / "artifacts"), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
     uri = f"http://127.0.0.1:{port}"
