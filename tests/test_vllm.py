@@ -51,6 +51,23 @@ def test_the_engine_samples_per_request_and_follows_the_models_weights(fixture, 
     alone, pair = (torch.nn.functional.pad(t, (0, 6 - t.shape[1])) for t in (alone, pair))  # pad id 0 to 6 tokens
     assert torch.equal(alone[0], batch[2]) and torch.equal(pair[1], batch[2]) and torch.equal(pair[0], batch[1])
 
+    # a continued response (a conversation's next turn, a partial rollout's next round): its prompt and first 3
+    # tokens go in as token ids; the rest is drawn per request (the same alone) from the step it starts at, with
+    # the trainer's log-probs over the whole context
+    cont_ids = torch.cat([ids, batch[:, :3]], dim=1)
+    cont_mask = torch.cat([mask, torch.ones(3, 3, dtype=torch.long)], dim=1)
+
+    def continued(rows, sample_ids):
+        return engine.generate(Request(prompt_ids=cont_ids[rows], prompt_mask=cont_mask[rows], max_new_tokens=4,
+                                       min_new_tokens=0, eos_token_id=2, pad_token_id=0, do_sample=True,
+                                       sample_ids=sample_ids, seed=7, temperature=0.7, first_steps=[3] * len(rows)))
+
+    more, more_logprobs = continued([0, 1, 2], [10, 11, 12])
+    torch.testing.assert_close(more_logprobs, trainer_logprobs(model, cont_ids, cont_mask, more, 0.7), atol=1e-4,
+                               rtol=0)
+    one, _ = continued([1], [11])
+    assert torch.equal(torch.nn.functional.pad(one, (0, more.shape[1] - one.shape[1]))[0], more[1])
+
     # the policy's weights change in place (a checkpoint load, published weights): the next generate pushes them,
     # and samples on them
     assert engine.sync_seconds == 0.0
@@ -91,3 +108,19 @@ def test_grpo_with_vllm_trains_on_the_weights_it_sampled_with(prefect_api, ray_s
         assert r["rollout_logprob_diff_max"] < 1e-4 and r["rollout_kl"] < 1e-8, r
         assert r["approx_kl"] == pytest.approx(0.0, abs=1e-5) and r["clipfrac"] == 0.0, r
     assert rows[1]["kl_loss"] > 0 and "eval_exact_match" in rows[1]
+
+
+@pytest.mark.integration
+def test_multi_turn_agent_with_vllm_continues_conversations_as_token_ids(prefect_api, ray_session, tiny_model_dir,
+                                                                        tmp_path):
+    """configs/agent_higher_lower.yaml on vLLM for one episode: the conversations go on over several turns (vLLM
+    continues each from its token ids, the environment's observation tokens included), and the trainer's own
+    log-probs of the policy's tokens equal vLLM's (mismatch ~0): nothing was re-tokenized or shifted."""
+    from flows import train_flow
+
+    cfg = small("agent_higher_lower", tmp_path, tiny_model_dir, "runtime.num_episode=1",
+                "runtime.rollout_engine=vllm", "models.ppo_policy.args_dict.old_logprobs=trainer")
+    train_flow(cfg)
+    [row] = rows_of(tmp_path / cfg.runtime.exp_name)
+    assert row["num_samples"] == 32 and 1.0 < row["turns_mean"] <= 4.0, row
+    assert row["rollout_logprob_diff_max"] < 1e-4 and row["rollout_kl"] < 1e-8, row

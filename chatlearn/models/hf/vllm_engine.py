@@ -14,9 +14,12 @@ log-probs come back temperature-scaled over the whole vocabulary (vLLM's ``proce
 trainers compute. The draw itself is vLLM's sampler, not :func:`chatlearn.models.hf.rollout.perturb`: the same
 seed gives another response under ``hf``/``continuous`` than under ``vllm``.
 
+A continued response (a conversation's next turn, a partial rollout's next round) is a new request of its prompt
+and tokens so far, as token ids, seeded by the step it starts at as well.
+
 Not supported yet, refused by the config check naming the field: top-k/top-p and min_new_tokens (vLLM's log-probs
-are then renormalised over the kept tokens, not what the trainer computes), partial rollouts (a continued response
-would be a new request with a new draw), a sharded or pipelined policy, and a model vLLM cannot load.
+are then renormalised over the kept tokens, not what the trainer computes), a sharded or pipelined policy, and a
+model vLLM cannot load.
 """
 
 import importlib.util
@@ -34,9 +37,10 @@ __all__ = ["VLLMEngine"]
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _seed(seed: int, sample_id: int) -> int:
-    """A request's seed: the run seed and the sample id only (not its batch, slot or engine call)."""
-    return ((seed * 1_000_003 + sample_id) * 65_537) % (2**63 - 1)
+def _seed(seed: int, sample_id: int, first_step: int = 0) -> int:
+    """A request's seed: the run seed, the sample id and the response step it starts at (a later turn of a
+    conversation, a partial rollout's next round), not its batch, slot or engine call."""
+    return (((seed * 1_000_003 + sample_id) * 65_537) + first_step * 7_919) % (2**63 - 1)
 
 
 @register_rollout_engine("vllm")
@@ -90,8 +94,6 @@ class VLLMEngine(RolloutEngine):
         if int(args.get("min_new_tokens", 0) or 0) > 0:
             found.append(f"{where}.min_new_tokens with runtime.rollout_engine 'vllm' is not supported yet (its "
                          "log-probs would be renormalised without EOS for those tokens)")
-        if cfg.runtime.use_partial_rollout:
-            found.append("runtime.use_partial_rollout with runtime.rollout_engine 'vllm' is not supported yet")
         if (cfg.models[model].tensor_model_parallel_size or 1) > 1:
             found.append(f"models.{model}.tensor_model_parallel_size > 1 with runtime.rollout_engine 'vllm' is not "
                          "supported yet")
@@ -120,18 +122,19 @@ class VLLMEngine(RolloutEngine):
     def generate(self, req: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
         from vllm import SamplingParams  # here: see __init__
 
-        if req.first_steps is not None:
-            raise NotImplementedError("rollout_engine: vllm does not continue responses (partial rollouts) yet")
         if self._version() != self._pushed:
             self.push_weights()
+        # token ids in and out: a continued response (a conversation's next turn with the environment's tokens, a
+        # partial rollout's next round) is its prompt and tokens so far, never re-tokenized text
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()}
                    for ids, mask in zip(req.prompt_ids.cpu(), req.prompt_mask.cpu(), strict=True)]
+        firsts = req.first_steps if req.first_steps is not None else [0] * len(prompts)
         sampled = req.do_sample and req.sample_ids is not None
         common = dict(max_tokens=req.max_new_tokens, min_tokens=req.min_new_tokens, stop_token_ids=[req.eos_token_id],
                       ignore_eos=False, skip_special_tokens=False, detokenize=False, logprobs=0 if sampled else None)
         if sampled:
-            params = [SamplingParams(temperature=req.temperature, seed=_seed(req.seed, sid), **common)
-                      for sid in req.sample_ids]
+            params = [SamplingParams(temperature=req.temperature, seed=_seed(req.seed, sid, first), **common)
+                      for sid, first in zip(req.sample_ids, firsts, strict=True)]
         elif req.do_sample:
             params = [SamplingParams(temperature=req.temperature, top_k=req.top_k or -1, top_p=req.top_p, **common)
                       for _ in prompts]
