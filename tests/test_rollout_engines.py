@@ -115,6 +115,16 @@ def test_sglang_is_a_known_name_refused_vllms_limits_are_named_and_a_typo_lists_
     assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.min_new_tokens=2") == [
         "models.policy.args_dict.min_new_tokens with runtime.rollout_engine 'vllm' is not supported yet (its "
         "log-probs would be renormalised without EOS for those tokens)"]
+    # vLLM's own settings: with another engine, or a GPU's share on the CPU build, refused by name
+    assert engine_problems("runtime.rollout_engine=continuous", "models.policy.args_dict.kv_cache_space_gb=1") == [
+        "models.policy.args_dict.kv_cache_space_gb is a setting of rollout_engine 'vllm'; runtime.rollout_engine "
+        "is 'continuous'"]
+    assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.kv_cache_space_gb=1",
+                           "models.policy.args_dict.max_model_len=512") == []
+    if torch.version.cuda is None:
+        assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.gpu_memory_utilization=0.5") == [
+            "models.policy.args_dict.gpu_memory_utilization is vLLM's share of a GPU's memory; this is the CPU "
+            "build (torch is the CPU build): size its KV cache with kv_cache_space_gb"]
     # vLLM continues responses (tests/test_vllm.py): partial rollouts are the engine's to run
     assert not [p for p in engine_problems("runtime.rollout_engine=vllm", "runtime.use_partial_rollout=true")
                 if "vllm" in p]

@@ -92,6 +92,44 @@ def test_the_engine_samples_per_request_and_follows_the_models_weights(fixture, 
     torch.testing.assert_close(synced_logprobs, trainer_logprobs(model, ids, mask, synced, 0.7), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
+def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is_one_line(tiny_model_dir):
+    """`max_model_len`, `kv_cache_space_gb`, `max_num_seqs` from the policy's args: the engine runs with them (two
+    sequences at a time, the third waits) and draws what a default engine drew for the same seeds (a sample's draw
+    does not depend on the engine's scheduling, nor on which engine of the same weights, started anew); a KV cache
+    too small for one sequence is one ValueError naming the policy and the fields."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.models.hf.policy import PolicyInference  # noqa: F401  registers the engines
+    from chatlearn.models.hf.rollout import Request, make_engine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7], [0, 9, 8, 7, 6]])
+    mask = (ids != 0).long()
+    req = Request(prompt_ids=ids, prompt_mask=mask, max_new_tokens=6, min_new_tokens=0, eos_token_id=2,
+                  pad_token_id=0, do_sample=True, sample_ids=[10, 11, 12], seed=7, temperature=0.7)
+    drawn = []
+    for args in (None, SimpleNamespace(max_model_len=64, kv_cache_space_gb=0.01, max_num_seqs=2)):
+        engine = make_engine("vllm", model, "models.policy (tiny)", args=args)
+        config = engine.llm.llm_engine.vllm_config
+        if args is not None:
+            assert config.model_config.max_model_len == 64 and config.scheduler_config.max_num_seqs == 2
+        drawn.append(engine.generate(req))
+        del engine
+    assert torch.equal(drawn[0][0], drawn[1][0]) and torch.equal(drawn[0][1], drawn[1][1])
+    for settings, said in (({"max_model_len": 64, "kv_cache_space_gb": 1e-5}, "No available memory for the cache"),
+                           ({"max_model_len": 128}, "max_model_len (128) is greater than")):  # the model has 64
+        with pytest.raises(ValueError) as err:
+            make_engine("vllm", model, "models.policy (tiny)", args=SimpleNamespace(**settings))
+        message = str(err.value)
+        assert "\n" not in message and message.startswith(
+            f"models.policy (tiny): vLLM could not start (max_model_len {settings['max_model_len']}, "
+            "kv_cache_memory_bytes "), message
+        assert "kv_cache_space_gb" in message and said in message, message
+
+
 @pytest.mark.integration
 def test_grpo_with_vllm_trains_on_the_weights_it_sampled_with(prefect_api, ray_session, tiny_model_dir, tmp_path):
     """Two GRPO episodes, one step each, the trainer scoring the samples (`old_logprobs: trainer`): the episode's

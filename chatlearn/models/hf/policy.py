@@ -35,8 +35,21 @@ class PolicyArgs(HFModelArgs):
         1, ge=1, description="responses sampled per prompt, kept together as a group (GRPO, online DPO); "
         "sample_per_episode and generation_batch_size count responses")
     max_num_seqs: int = Field(
-        256, gt=0, description="rollout_engine: continuous: the most sequences that decode at once (vLLM's "
+        256, gt=0, description="rollout_engine: continuous and vllm: the most sequences that decode at once (vLLM's "
         "name); the prompts of a generation batch wait for a free slot beyond it")
+    # vLLM's own settings (`chatlearn.models.hf.vllm_engine`), under vLLM's and ChatLearn's names; refused with
+    # another engine (`RolloutEngine.own_args`)
+    max_model_len: int | None = Field(
+        None, gt=0, description="rollout_engine: vllm: the longest prompt plus response it takes (default the "
+        "model's max_position_embeddings, at most 4,096)")
+    kv_cache_space_gb: float | None = Field(
+        None, gt=0, description="rollout_engine: vllm: its KV cache, in GiB (the CPU build's "
+        "VLLM_CPU_KVCACHE_SPACE; default 0.25 there); on CUDA, gpu_memory_utilization by default")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="rollout_engine: vllm on CUDA: the share of the GPU's memory vLLM takes for "
+        "its weights and KV cache (default 0.5, ChatLearn's); not on the CPU build: kv_cache_space_gb")
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0, description="rollout_engine: vllm: the most tokens one scheduler step takes (default vLLM's)")
 
     @field_validator("top_k")
     @classmethod
@@ -110,7 +123,7 @@ class PolicyInference(HFModule):
         # the config check allowed pipeline stages only to an engine that generates through them
         self.rollout: RolloutEngine = make_engine(
             self.runtime_args.rollout_engine, self.model, f"models.{self.name} ({self.args.model_path})",
-            stages=self._generate_in_stages if self.pipelined else None)
+            stages=self._generate_in_stages if self.pipelined else None, args=self.args)
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         super().set_weights(weights)

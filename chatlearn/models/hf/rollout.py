@@ -67,16 +67,17 @@ def runnable_engines(model: Any = None) -> list[str]:
                   if cls.implemented and (model is None or not cls.model_problems(model)))
 
 
-def make_engine(name: str, model: Any, where: str, stages: Callable[..., torch.Tensor] | None = None
-                ) -> "RolloutEngine":
-    """The engine ``name`` for the loaded ``model`` (``where`` names it: ``models.policy (path)``); a ValueError
+def make_engine(name: str, model: Any, where: str, stages: Callable[..., torch.Tensor] | None = None,
+                args: Any = None) -> "RolloutEngine":
+    """The engine ``name`` for the loaded ``model`` (``where`` names it: ``models.policy (path)``), with the
+    policy's args (``args``: what the engine's `own_args` fields say; None: their defaults); a ValueError
     naming the field, what the engine cannot run and the engines that can, when it cannot."""
     cls = ROLLOUT_ENGINES[name]
     unsupported = cls.model_problems(model)
     if unsupported:
         raise ValueError(f"runtime.rollout_engine: {name!r} does not support {'; '.join(unsupported)} of {where}; "
                          f"use rollout_engine: {' or '.join(runnable_engines(model))}")
-    return cls(model, stages=stages)
+    return cls(model, stages=stages, args=args, where=where)
 
 
 @dataclass
@@ -110,8 +111,13 @@ class RolloutEngine:
     name: ClassVar[str] = ""  # set by register_rollout_engine
     implemented: ClassVar[bool] = True  # False: a known name the config check refuses (NotSupportedYet)
     pipeline_stages: ClassVar[bool] = False  # generates through pipeline stages (is given their ``stages`` loop)
+    # the policy's args only this engine reads (None: unset); set with another engine, the config check refuses them
+    own_args: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, model: Any, stages: Callable[..., torch.Tensor] | None = None) -> None:
+    def __init__(self, model: Any, stages: Callable[..., torch.Tensor] | None = None, args: Any = None,
+                 where: str = "") -> None:
+        """``args``: the policy's (an engine reads its `own_args` there; None: their defaults); ``where`` names
+        the policy in errors."""
         if stages is not None and not self.pipeline_stages:
             raise ValueError(f"rollout engine {self.name!r} does not generate through pipeline stages")
         self.model, self.stages = model, stages
@@ -125,7 +131,11 @@ class RolloutEngine:
                                  if e.pipeline_stages and e.implemented)
             return [f"runtime.rollout_engine: {cls.name!r} with models.{model}.pipeline_model_parallel_size {pp} "
                     f"is not supported yet (pipeline stages generate with {stages})"]
-        return []
+        args = cfg.models[model].args_dict or {}
+        return [f"models.{model}.args_dict.{field} is a setting of rollout_engine {other.name!r}; "
+                f"runtime.rollout_engine is {cls.name!r}"
+                for other in sorted(ROLLOUT_ENGINES.values(), key=lambda e: e.name) if other is not cls
+                for field in other.own_args if field not in cls.own_args and args.get(field) is not None]
 
     @classmethod
     def model_problems(cls, model: Any) -> list[str]:

@@ -49,13 +49,23 @@ class VLLMEngine(RolloutEngine):
     Hugging Face model before a generate when they changed (the module docstring says what is and is not
     supported)."""
 
-    # the KV cache of the CPU build, in bytes (vLLM would take most of the machine's free memory)
-    kv_cache_bytes: ClassVar[int] = 256 << 20
-    # the longest prompt and response vLLM takes (its KV cache must hold one: 48 MB on Qwen2.5-0.5B in bf16)
+    own_args: ClassVar[tuple[str, ...]] = ("max_model_len", "kv_cache_space_gb", "gpu_memory_utilization",
+                                           "max_num_batched_tokens")
+    # the KV cache of the CPU build by default, in GiB (vLLM would take most of the machine's free memory)
+    kv_cache_space_gb: ClassVar[float] = 0.25
+    # the longest prompt and response vLLM takes by default (its KV cache must hold one: 48 MB on Qwen2.5-0.5B
+    # in bf16)
     max_model_len: ClassVar[int] = 4096
 
-    def __init__(self, model: Any, stages: Any = None) -> None:
+    def __init__(self, model: Any, stages: Any = None, args: Any = None, where: str = "models.policy") -> None:
         super().__init__(model, stages)
+        get = (lambda name: getattr(args, name, None))  # noqa: E731  (args None: every default)
+        max_model_len = get("max_model_len") or min(model.config.max_position_embeddings, self.max_model_len)
+        memory: dict[str, Any] = {"kv_cache_memory_bytes": int((get("kv_cache_space_gb") or self.kv_cache_space_gb)
+                                                               * (1 << 30))}
+        if torch.version.cuda is not None and get("kv_cache_space_gb") is None:  # CUDA: ChatLearn's default share
+            memory = {"gpu_memory_utilization": get("gpu_memory_utilization") or 0.5}
+        scheduler = {k: get(k) for k in ("max_num_seqs", "max_num_batched_tokens") if get(k) is not None}
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the process's threads are its own
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -68,10 +78,15 @@ class VLLMEngine(RolloutEngine):
         dtype = _DTYPES.get(next(model.parameters()).dtype)
         set_threads = torch.set_num_threads
         try:
-            self.llm = LLM(model=path, dtype=dtype, enforce_eager=True, seed=0,
-                           max_model_len=min(model.config.max_position_embeddings, self.max_model_len),
-                           kv_cache_memory_bytes=self.kv_cache_bytes, logprobs_mode="processed_logprobs",
-                           enable_prefix_caching=False)
+            self.llm = LLM(model=path, dtype=dtype, enforce_eager=True, seed=0, max_model_len=max_model_len,
+                           logprobs_mode="processed_logprobs", enable_prefix_caching=False, **memory, **scheduler)
+        except Exception as exc:  # vLLM's reason names its own arguments: say ours, in one line
+            settings = ", ".join(f"{k} {v}" for k, v in [("max_model_len", max_model_len), *memory.items(),
+                                                         *scheduler.items()])
+            reason = " ".join(str(exc).split())[:500]  # vLLM's own lines (a pydantic error's too), as one
+            raise ValueError(f"{where}: vLLM could not start ({settings}; the args_dict fields max_model_len, "
+                             f"kv_cache_space_gb, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens): "
+                             f"{type(exc).__name__}: {reason}") from exc
         finally:
             torch.set_num_threads = set_threads  # vLLM's CPU worker replaces it with a no-op for the process
         self.sync_seconds = 0.0
@@ -94,6 +109,12 @@ class VLLMEngine(RolloutEngine):
         if int(args.get("min_new_tokens", 0) or 0) > 0:
             found.append(f"{where}.min_new_tokens with runtime.rollout_engine 'vllm' is not supported yet (its "
                          "log-probs would be renormalised without EOS for those tokens)")
+        if torch.version.cuda is None and args.get("gpu_memory_utilization") is not None:
+            found.append(f"{where}.gpu_memory_utilization is vLLM's share of a GPU's memory; this is the CPU build "
+                         "(torch is the CPU build): size its KV cache with kv_cache_space_gb")
+        elif args.get("gpu_memory_utilization") is not None and args.get("kv_cache_space_gb") is not None:
+            found.append(f"{where}: gpu_memory_utilization and kv_cache_space_gb both size vLLM's KV cache; "
+                         "set one")
         if (cfg.models[model].tensor_model_parallel_size or 1) > 1:
             found.append(f"models.{model}.tensor_model_parallel_size > 1 with runtime.rollout_engine 'vllm' is not "
                          "supported yet")
