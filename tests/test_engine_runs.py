@@ -128,6 +128,9 @@ RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.arg
                 "dapo": ["models.policy.args_dict.max_new_tokens=1", "models.reward.args_dict.max_response_length=1",
                          "models.reward.args_dict.overlong_buffer_len=1",
                          "models.policy.args_dict.num_inference_per_prompt=4"],
+                # online DPO with LoRA generates on vLLM: the merged weights pushed into it, a new engine after
+                # the kill drawing what the killed run's would have (per-request seeds)
+                "online_dpo": ["runtime.rollout_engine=vllm"],
                 # three episodes, so a later one generates while the killed one trains; longer responses than
                 # the shipped 2 tokens, so generation takes long enough for the overlap to show
                 "grpo_async": ["runtime.num_episode=3", "models.policy.args_dict.max_new_tokens=12"],
@@ -186,7 +189,8 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
                                                monkeypatch, capsys):
     """A `chatlearn train` process killed while episode 2 trains, then the same run again: the uninterrupted
     run's final policy and rows, bit for bit (GRPO: with continuous batching, packing and partial rollouts; online
-    DPO with LoRA: the adapters, the base check and the merged export resume too; DAPO: with dynamic sampling's
+    DPO with LoRA, generating on vLLM: the adapters, the base check, the merged export and vLLM's draws resume too;
+    DAPO: with dynamic sampling's
     extra rounds of prompts). The reference and the re-run run here, on
     the session's Ray (a re-run in a new process of its own: tests/test_resume.py); the killed run is a process
     of its own, SIGKILLed."""
