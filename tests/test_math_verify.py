@@ -163,7 +163,8 @@ ADVERSARIAL = {
 def test_adversarial_answers_score_zero_within_the_timeout(response):
     started = time.monotonic()
     assert fast_reward({"answer": "5", "response": response}) == 0.0
-    assert time.monotonic() - started < FAST_TIMEOUT_S + 2
+    # bounded by the limit, with room for a loaded machine (each case unbounded would take minutes or forever)
+    assert time.monotonic() - started < FAST_TIMEOUT_S + 5
     _assert_no_busy_worker()
 
 
