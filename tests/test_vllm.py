@@ -97,13 +97,14 @@ def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is
     """`max_model_len`, `kv_cache_space_gb`, `max_num_seqs` from the policy's args: the engine runs with them (two
     sequences at a time, the third waits) and draws what a default engine drew for the same seeds (a sample's draw
     does not depend on the engine's scheduling, nor on which engine of the same weights, started anew); a KV cache
-    too small for one sequence is one ValueError naming the policy and the fields."""
+    too small for one sequence is one RunError naming the policy and the fields."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
 
     from chatlearn.models.hf.policy import PolicyInference  # noqa: F401  registers the engines
     from chatlearn.models.hf.rollout import Request, make_engine
+    from chatlearn.utils.errors import RunError
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7], [0, 9, 8, 7, 6]])
@@ -121,7 +122,7 @@ def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is
     assert torch.equal(drawn[0][0], drawn[1][0]) and torch.equal(drawn[0][1], drawn[1][1])
     for settings, said in (({"max_model_len": 64, "kv_cache_space_gb": 1e-5}, "No available memory for the cache"),
                            ({"max_model_len": 128}, "max_model_len (128) is greater than")):  # the model has 64
-        with pytest.raises(ValueError) as err:
+        with pytest.raises(RunError) as err:
             make_engine("vllm", model, "models.policy (tiny)", args=SimpleNamespace(**settings))
         message = str(err.value)
         assert "\n" not in message and message.startswith(

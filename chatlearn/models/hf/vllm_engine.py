@@ -31,6 +31,7 @@ import torch
 
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.models.hf.rollout import Request, RolloutEngine, register_rollout_engine
+from chatlearn.utils.errors import RunError
 
 __all__ = ["VLLMEngine"]
 
@@ -73,7 +74,7 @@ class VLLMEngine(RolloutEngine):
 
         path = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
         if not path or not os.path.isdir(path):
-            raise ValueError(f"runtime.rollout_engine: 'vllm' loads the policy from its model directory; the "
+            raise RunError(f"runtime.rollout_engine: 'vllm' loads the policy from its model directory; the "
                              f"policy's model has none ({path!r})")
         dtype = _DTYPES.get(next(model.parameters()).dtype)
         set_threads = torch.set_num_threads
@@ -84,7 +85,7 @@ class VLLMEngine(RolloutEngine):
             settings = ", ".join(f"{k} {v}" for k, v in [("max_model_len", max_model_len), *memory.items(),
                                                          *scheduler.items()])
             reason = " ".join(str(exc).split())[:500]  # vLLM's own lines (a pydantic error's too), as one
-            raise ValueError(f"{where}: vLLM could not start ({settings}; the args_dict fields max_model_len, "
+            raise RunError(f"{where}: vLLM could not start ({settings}; the args_dict fields max_model_len, "
                              f"kv_cache_space_gb, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens): "
                              f"{type(exc).__name__}: {reason}") from exc
         finally:
