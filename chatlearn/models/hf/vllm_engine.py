@@ -75,7 +75,7 @@ class VLLMEngine(RolloutEngine):
         path = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
         if not path or not os.path.isdir(path):
             raise RunError(f"runtime.rollout_engine: 'vllm' loads the policy from its model directory; the "
-                             f"policy's model has none ({path!r})")
+                           f"policy's model has none ({path!r})")
         dtype = _DTYPES.get(next(model.parameters()).dtype)
         set_threads = torch.set_num_threads
         try:
@@ -86,8 +86,8 @@ class VLLMEngine(RolloutEngine):
                                                          *scheduler.items()])
             reason = " ".join(str(exc).split())[:500]  # vLLM's own lines (a pydantic error's too), as one
             raise RunError(f"{where}: vLLM could not start ({settings}; the args_dict fields max_model_len, "
-                             f"kv_cache_space_gb, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens): "
-                             f"{type(exc).__name__}: {reason}") from exc
+                           f"kv_cache_space_gb, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens): "
+                           f"{type(exc).__name__}: {reason}") from exc
         finally:
             torch.set_num_threads = set_threads  # vLLM's CPU worker replaces it with a no-op for the process
         self.sync_seconds = 0.0
