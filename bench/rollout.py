@@ -112,7 +112,8 @@ def main(args: argparse.Namespace) -> None:
     with (work / "default.jsonl").open("w") as f:
         for rec in make_records(batch, seed=0):
             f.write(json.dumps(rec) + "\n")
-    build_qwen05(work / "qwen0.5b-model", work / "default-model")
+    if not args.only or "qwen0.5b" in args.only:  # 0.5B parameters written out: only when it runs
+        build_qwen05(work / "qwen0.5b-model", work / "default-model")
     with (work / "qwen.jsonl").open("w") as f:
         for rec in make_records(32, seed=1):
             f.write(json.dumps(rec) + "\n")

@@ -265,8 +265,9 @@ class GRPOPolicyTrainer(CausalLMTrainer):
             part[k] = st[k] * w
         for k in self._current_is_stats():
             part[k] = is_stats[k] * w
-        if a.old_logprobs == "current":
+        mismatch_keys = self._current_mismatch_stats()
+        if mismatch_keys:
             mismatch = logprob_mismatch(old, mb["logprobs"].to(self.device), mask)
-            for k in self._current_mismatch_stats():
+            for k in mismatch_keys:
                 part[k] = mismatch[k] * w
         return (loss * on if on != 1.0 else loss), part

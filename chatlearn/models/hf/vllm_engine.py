@@ -62,10 +62,11 @@ class VLLMEngine(RolloutEngine):
         super().__init__(model, stages)
         get = (lambda name: getattr(args, name, None))  # noqa: E731  (args None: every default)
         max_model_len = get("max_model_len") or min(model.config.max_position_embeddings, self.max_model_len)
-        memory: dict[str, Any] = {"kv_cache_memory_bytes": int((get("kv_cache_space_gb") or self.kv_cache_space_gb)
-                                                               * (1 << 30))}
+        memory: dict[str, Any]
         if torch.version.cuda is not None and get("kv_cache_space_gb") is None:  # CUDA: ChatLearn's default share
             memory = {"gpu_memory_utilization": get("gpu_memory_utilization") or 0.5}
+        else:
+            memory = {"kv_cache_memory_bytes": int((get("kv_cache_space_gb") or self.kv_cache_space_gb) * (1 << 30))}
         scheduler = {k: get(k) for k in ("max_num_seqs", "max_num_batched_tokens") if get(k) is not None}
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the process's threads are its own
@@ -137,15 +138,15 @@ class VLLMEngine(RolloutEngine):
         return self.sync_seconds
 
     def weights_synced(self) -> None:
-        # a push at generate catches the other ways weights move (a checkpoint load, published versions)
+        """Push the policy's weights if they moved since the last push: after the sync stage, and before each
+        generate (which catches the other ways they move: a checkpoint load, published versions)."""
         if self._version() != self._pushed:
             self.push_weights()
 
     def generate(self, req: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
         from vllm import SamplingParams  # here: see __init__
 
-        if self._version() != self._pushed:
-            self.push_weights()
+        self.weights_synced()
         # token ids in and out: a continued response (a conversation's next turn with the environment's tokens, a
         # partial rollout's next round) is its prompt and tokens so far, never re-tokenized text
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()}
