@@ -6,6 +6,7 @@ with the rule's ``num_cpus_per_task`` on `WarmRayTaskRunner`. What scoring a bat
 `chatlearn.models.rule`; the stage waits for the scores within its deadline (`StageClock`).
 """
 
+import sys
 from typing import Any
 
 import ray
@@ -20,6 +21,10 @@ from chatlearn.models.rule import RuleSpec, score_key
 from chatlearn.runtime.calls.handles import RefBox
 from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.prefect.ray_tasks import ray_task_runner
+
+# the task travels to its Ray worker by value: by reference, the worker would import the `flows` package, whose
+# flows import the run's machinery, transformers included (about 4 CPU-s in every new worker)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @task(name="rule-reward", cache_policy=NO_CACHE)

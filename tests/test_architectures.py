@@ -7,11 +7,12 @@ size that splits a head, packing or the continuous engine on a sliding-window mo
 (Qwen3 TP 2 and Mistral PP 2 give one process's gradients): tests/test_parallel.py; tied round trips of the
 Qwen3: tests/test_tied_weights.py.
 
-Whole `chatlearn train` runs (integration), four in all: PPO and GRPO on the Qwen3 and on the Mistral, two
+Whole runs (integration), four in all: PPO on the Qwen3 and the Qwen2, GRPO on the Mistral and the Llama, two
 episodes of 16 samples each, every model of the run (value networks too) of that family, each with LoRA on the
 policy trainer and the inference policy in TP 2 with the sync's debug check on (every tensor a TP rank receives
-is digest-checked against the trainer's), the merged final policy loaded back as that family's class. The
-Llama and the Qwen2 run in tests/test_engine_runs.py, tests/test_qwen2_runs.py and tests/test_resume.py.
+is digest-checked against the trainer's), the merged final policy loaded back as that family's class. They run
+in this process on the session's Ray (the command's own process is not their point: tests/test_outside_repo.py,
+tests/test_resume.py). More Llama and Qwen2 runs: tests/test_engine_runs.py, tests/test_qwen2_runs.py.
 """
 
 import json
@@ -30,7 +31,7 @@ from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer
 from chatlearn.models.hf.tiny import CHARACTERS, SPECIAL_TOKENS, TinyModelSpec
 from chatlearn.models.parallel import tp_partial_parameters, tp_plan
 from chatlearn.utils.arguments import LoraConfig, ModelConfig, RuntimeConfig
-from tests.conftest import chatlearn_train
+from tests.conftest import train_here
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -164,7 +165,8 @@ ENV = {"llama": "CHATLEARN_TINY_MODEL_DIR"}
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("arch", "algorithm"), PAIRS)
-def test_two_episodes_with_lora_and_a_tp2_policy(prefect_api, request, tiny_model_dir, tmp_path, arch, algorithm):
+def test_two_episodes_with_lora_and_a_tp2_policy(prefect_api, ray_session, request, tiny_model_dir, tmp_path,
+                                                 monkeypatch, arch, algorithm):
     path = request.getfixturevalue(FIXTURES.get(arch, f"tiny_{arch}_dir"))
     config, models = RUNS[algorithm]
     exp = f"{algorithm}-{arch}"
@@ -172,9 +174,9 @@ def test_two_episodes_with_lora_and_a_tp2_policy(prefect_api, request, tiny_mode
             *(f"models.{m}.model_config_file=tiny_{arch}.yaml" for m in models),
             *(f"models.{m}.cpu_per_process=1" for m in (*models, "reward"))]
     start = time.monotonic()
-    res = chatlearn_train(args, tmp_path, tiny_model_dir, **{ENV.get(arch, f"CHATLEARN_TINY_{arch.upper()}_DIR"): path})
+    train_here(args, tmp_path, tiny_model_dir, monkeypatch,
+               **{ENV.get(arch, f"CHATLEARN_TINY_{arch.upper()}_DIR"): path})
     print(f"{exp}: {time.monotonic() - start:.1f} s")
-    assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / exp
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["episode"] for r in rows] == [1, 2]
@@ -230,7 +232,8 @@ def test_the_gsm8k_recipe_resolves_its_model_from_the_environment(tiny_qwen2_cha
 
 
 @pytest.mark.integration
-def test_the_gsm8k_recipe_trains_a_tiny_qwen2_on_cpu(prefect_api, tiny_model_dir, tiny_qwen2_chat_dir, tmp_path):
+def test_the_gsm8k_recipe_trains_a_tiny_qwen2_on_cpu(prefect_api, ray_session, tiny_model_dir, tiny_qwen2_chat_dir,
+                                                     tmp_path, monkeypatch):
     """The recipe as shipped (bf16, the continuous engine, chat-rendered GSM8K prompts, the math verifier), with
     the GPUs and sizes scaled down: two episodes of 16 samples (2 prompts x 8 responses) of up to 32 tokens."""
     gpu_models = ("policy", "reference", "ppo_policy")
@@ -242,9 +245,8 @@ def test_the_gsm8k_recipe_trains_a_tiny_qwen2_on_cpu(prefect_api, tiny_model_dir
             *(f"models.{m}.{k}" for m in gpu_models for k in ("num_gpu=0", "gpu_per_process=0", "num_cpu=1",
                                                                  "cpu_per_process=1"))]
     start = time.monotonic()
-    res = chatlearn_train(args, tmp_path, tiny_model_dir, QWEN_MODEL_PATH=tiny_qwen2_chat_dir)
+    train_here(args, tmp_path, tiny_model_dir, monkeypatch, QWEN_MODEL_PATH=tiny_qwen2_chat_dir)
     print(f"recipe: {time.monotonic() - start:.1f} s")
-    assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "recipe"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["episode"] for r in rows] == [1, 2]

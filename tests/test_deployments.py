@@ -133,12 +133,9 @@ def chromium(url: str, png: Path) -> tuple[str, str]:
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--window-size=1400,1800", "--virtual-time-budget=25000"]
     png.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as profile:
-        subprocess.run([*flags, f"--user-data-dir={profile}", f"--screenshot={png}", url], capture_output=True,
-                       timeout=120)
-    with tempfile.TemporaryDirectory() as profile:
-        dom = subprocess.run([*flags, f"--user-data-dir={profile}", "--dump-dom", url], capture_output=True,
-                             text=True, timeout=120).stdout
+    with tempfile.TemporaryDirectory() as profile:  # one page load for both (a load is seconds of CPU here)
+        dom = subprocess.run([*flags, f"--user-data-dir={profile}", f"--screenshot={png}", "--dump-dom", url],
+                             capture_output=True, text=True, timeout=120).stdout
     assert png.exists() and png.stat().st_size > 10_000, f"no screenshot of {url}"
     return unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))), dom
 

@@ -139,10 +139,13 @@ RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.arg
 
 
 def train_engine(config, out, exp, tiny_model_dir, crash=None):
+    """A `chatlearn train` process of ``config`` that joins the session's Ray (a local Ray of its own, started and
+    ended, costs seconds: its SIGKILL is tests/test_resume.py's), SIGKILLed at ``crash``."""
+    import ray
     from prefect.settings import PREFECT_API_URL
 
     env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
-               PREFECT_API_URL=PREFECT_API_URL.value())
+               PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     env.pop("CHATLEARN_CRASH_AT", None)
     if crash:
         env["CHATLEARN_CRASH_AT"] = crash
@@ -323,6 +326,43 @@ def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_ap
         ray.get(pending.ref, timeout=3)
     ray.cancel(pending.ref, force=True)
 
+
+
+
+def test_a_rule_task_reaches_its_worker_without_the_flows_and_their_imports(prefect_api):
+    """What a rule-reward task's Ray worker unpickles (the task, its context) imports neither the `flows` package
+    nor transformers: the task travels by value, and its parent flow and stage task as stand-ins of the same
+    names, with no parameters (a run's first score stage spent 7 s on those imports in new workers, the next 0.2
+    s). Hydrated, the context still names the parent flow run, flow and stage task."""
+    import pickle
+
+    import ray
+    from prefect import flow, task
+    from prefect.context import FlowRunContext, TaskRunContext, hydrated_context, serialize_context
+
+    from chatlearn.runtime.prefect.ray_tasks import _light_parent
+    from flows.rule_tasks import rule_reward
+
+    @task(name="score")
+    def stage(ctx: dict) -> tuple[dict, str]:
+        context = serialize_context()
+        _light_parent(context)
+        return context, str(FlowRunContext.get().flow_run.id)
+
+    @flow(name="episode")
+    def episode(ctx: dict) -> tuple[dict, str]:
+        return stage(ctx)
+
+    context, flow_run_id = episode({"spec": "the run's context"})
+    assert context["flow_run_context"]["parameters"] == context["task_run_context"]["parameters"] == {}
+    payload = ray.cloudpickle.dumps((rule_reward, context))
+    seen = subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
+                           "print(sorted(m for m in ('flows', 'transformers') if m in sys.modules))"],
+                          input=payload, capture_output=True, cwd=REPO, timeout=120)
+    assert seen.stdout.decode().split() == ["[]"], seen.stderr.decode()[-2000:]
+    with hydrated_context(pickle.loads(payload)[1]):
+        assert FlowRunContext.get().flow.name == "episode" and str(FlowRunContext.get().flow_run.id) == flow_run_id
+        assert TaskRunContext.get().task.name == "score"
 
 
 # -- who owns an episode's batches (issue 24, item 5) ---------------------------------------------------------

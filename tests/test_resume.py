@@ -4,7 +4,8 @@ the same command, ends with the uninterrupted run's final policy, bit for bit, a
 The kills come from `CHATLEARN_CRASH_AT` (chatlearn/utils/faults.py): the process SIGKILLs itself at an
 exact point: one run is killed (1) halfway through writing the data checkpoint record of episode 2, after the
 model checkpoints were written, then, started again, (2) while episode 3 is being scored and trained. Relay is
-on, so its window must resume too.
+on, so its window must resume too. The last start is given another Prefect API, which goes away for good while it
+trains: the run finishes, and equal.
 
 Every model of the default config is the tiny Qwen2 of configs/tiny_qwen2.yaml (tied input/output embeddings,
 grouped-query attention, as Qwen2.5-0.5B): the tied weight trains, is checkpointed once per checkpoint and must
@@ -93,22 +94,39 @@ def assert_same_as_reference(run_dir, reference_run):
     assert comparable_rows(run_dir) == expected_rows, run_dir
 
 
-def test_sigkill_at_two_moments_then_rerun_gives_the_uninterrupted_run(reference_run, model_dirs, tmp_path):
+def test_sigkill_at_two_moments_then_a_rerun_whose_prefect_api_goes_away_gives_the_uninterrupted_run(
+        reference_run, model_dirs, tmp_path, monkeypatch):
     # one run killed twice: halfway through writing episode 2's record (it resumes after episode 1), then, resumed,
     # while episode 3 is scored and trained (it resumes after episode 2); the third start ends as undisturbed.
     # No process of a start outlives it by more than seconds, a SIGKILLed one's Ray included (its agents lived
-    # on for a minute: chatlearn.runtime.cluster.reaper)
+    # on for a minute: chatlearn.runtime.cluster.reaper).
+    # The third start is given another API (a cluster's server), killed during episode 4 and never back: the run
+    # finishes on its own, says so in one line, and exits (Prefect's queues drained in bounded time)
     exp = "killed-twice"
-    with RunProcesses() as processes:
-        for crash, resumed_after in [("data_checkpoint_write:1", None), ("after_generate:2", 1), (None, 2)]:
-            res = train(tmp_path, exp, model_dirs, crash=crash)
-            assert processes.left_after(OUTLIVE_S, processes.take()) == [], res.stderr[-3000:]
-            if resumed_after is not None:
-                assert f"resuming after episode {resumed_after} " in res.stdout + res.stderr, res.stderr[-3000:]
-            if crash is not None:
-                assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
-                assert not (tmp_path / exp / "final").exists()
-    assert res.returncode == 0, res.stderr[-3000:]
+    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(tmp_path / "other-server"))
+    (tmp_path / "other-server").mkdir()
+    pid, url = prefect_server._start_server(timeout=120)
+    killer, killed = _kill_server_after_episodes(tmp_path / exp, 3, lambda: pid)
+    try:
+        with RunProcesses() as processes:
+            for crash, resumed_after in [("data_checkpoint_write:1", None), ("after_generate:2", 1), (None, 2)]:
+                # a call in flight when the server dies retries 2 + 4 s instead of Prefect's 2 + 4 + ... + 32 s
+                api = dict(api_url=url, PREFECT_CLIENT_MAX_RETRIES="2") if crash is None else {}
+                res = train(tmp_path, exp, model_dirs, crash=crash, **api)
+                assert processes.left_after(OUTLIVE_S, processes.take()) == [], res.stderr[-3000:]
+                if resumed_after is not None:
+                    assert f"resuming after episode {resumed_after} " in res.stdout + res.stderr, res.stderr[-3000:]
+                if crash is not None:
+                    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+                    assert not (tmp_path / exp / "final").exists()
+    finally:
+        killer.join(timeout=5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    assert killed and res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count(f"the Prefect API at {url} ") == 2, res.stderr[-3000:]  # gone, and still gone at the end
+    assert "training goes on without it" in res.stderr and "still does not answer" in res.stderr
+    assert _no_traceback(res.stderr), res.stderr[-3000:]
     assert_same_as_reference(tmp_path / exp, reference_run)
 
 
@@ -140,28 +158,6 @@ def _kill_server_after_episodes(run_dir, episodes, server_pid):
 
 def _no_traceback(stderr):
     return "Traceback" not in stderr and "ConnectError" not in stderr and "Error logging to API" not in stderr
-
-
-def test_a_prefect_api_that_stays_down_does_not_stop_the_run_nor_hold_it_at_exit(reference_run, model_dirs, tmp_path,
-                                                                                  monkeypatch):
-    # a configured API (a cluster's server) killed during episode 3 and never back: the run finishes on its own,
-    # with the undisturbed run's weights, says so in one line, and exits (Prefect's queues drained in bounded time)
-    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(tmp_path / "other-server"))
-    (tmp_path / "other-server").mkdir()
-    pid, url = prefect_server._start_server(timeout=120)
-    killer, killed = _kill_server_after_episodes(tmp_path / "api-gone", 2, lambda: pid)
-    try:
-        # a call in flight when the server dies retries 2 + 4 s instead of Prefect's default 2 + 4 + ... + 32 s
-        res = train(tmp_path, "api-gone", model_dirs, api_url=url, PREFECT_CLIENT_MAX_RETRIES="2")
-    finally:
-        killer.join(timeout=5)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-    assert killed and res.returncode == 0, res.stderr[-3000:]
-    assert res.stderr.count(f"the Prefect API at {url} ") == 2, res.stderr[-3000:]  # gone, and still gone at the end
-    assert "training goes on without it" in res.stderr and "still does not answer" in res.stderr
-    assert _no_traceback(res.stderr), res.stderr[-3000:]
-    assert_same_as_reference(tmp_path / "api-gone", reference_run)
 
 
 # -- the processes of a run, and its local Ray's head going away (chatlearn.runtime.cluster.head, .reaper) -------

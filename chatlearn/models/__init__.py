@@ -4,7 +4,17 @@ Which built-in module serves a model name each engine declares (`chatlearn.runti
 `ppo_policy` is the GRPO trainer under `grpo`); what a module reads and makes its class says (`BaseModule`).
 """
 
-from chatlearn.models.base_module import BaseModule
-from chatlearn.models.torch_module import TorchModule
+import importlib
+from typing import Any
+
+# imported on first use: a Ray worker that runs a rule reward's task imports `chatlearn.models.rule` alone, and
+# the module classes bring transformers and torch.distributed (about 3 CPU-s a process)
+_LAZY = {"BaseModule": "chatlearn.models.base_module", "TorchModule": "chatlearn.models.torch_module"}
 
 __all__ = ["BaseModule", "TorchModule"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'chatlearn.models' has no attribute {name!r}")

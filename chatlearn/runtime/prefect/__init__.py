@@ -72,6 +72,10 @@ PRIVATE_USES: list[tuple[str, str]] = [
     ("prefect_ray.context.RemoteOptionsContext.current_remote_options", "chatlearn/runtime/prefect/ray_tasks.py"),
     ("prefect.context.serialize_context(asset_ctx_kwargs)", "chatlearn/runtime/prefect/ray_tasks.py"),
     ("prefect.context.SettingsContext.serialize(self, include_secrets)", "chatlearn/runtime/prefect/ray_tasks.py"),
+    # the parents' flow, task and parameters in a serialized context, replaced by stand-ins before it travels
+    ("prefect.context.EngineContext.serialize(self, include_secrets)", "chatlearn/runtime/prefect/ray_tasks.py"),
+    ("prefect.context.TaskRunContext.serialize(self, include_secrets)", "chatlearn/runtime/prefect/ray_tasks.py"),
+    ("prefect.context.hydrated_context(serialized_context, client)", "chatlearn/runtime/prefect/ray_tasks.py"),
     ("prefect.context.SyncClientContext.__var__", "chatlearn/runtime/prefect/ray_tasks.py"),
     ("prefect.utilities.engine.collect_task_run_inputs_sync(expr, future_cls, max_depth)",
      "chatlearn/runtime/prefect/ray_tasks.py"),

@@ -27,13 +27,13 @@ directly, so it lives in Prefect's room (`chatlearn.runtime.prefect`, whose `PRI
 on, checked against the installed versions).
 """
 
-import sys
 import threading
 import uuid
 from typing import Any
 
 import ray
-from prefect.context import FlowRunContext, SettingsContext, SyncClientContext, serialize_context
+from prefect import Flow, Task
+from prefect.context import SettingsContext, SyncClientContext, serialize_context
 from prefect.utilities.engine import collect_task_run_inputs_sync
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import RemoteOptionsContext
@@ -68,21 +68,36 @@ def _settings_key() -> str:
     return _DRIVER_SETTINGS["key"]
 
 
-def _ship_path_loaded_flow() -> None:
-    """A task's context carries its flow; a deployment loads its flow from a file path (``flows/eval_flow.py``)
-    as a top-level module (``eval_flow``, importable here only because Prefect put its folder on the path), which
-    a Ray worker cannot import, so such a module travels by value. A module of a package (``flows.eval_flow``)
-    is imported in the worker as usual."""
-    ctx = FlowRunContext.get()
-    name = getattr(getattr(ctx.flow, "fn", None), "__module__", None) if ctx is not None and ctx.flow else None
-    module = sys.modules.get(name) if name else None
-    if module is None or name in _BY_VALUE or "." in name or name == "__main__":
-        return
-    ray.cloudpickle.register_pickle_by_value(module)
-    _BY_VALUE.add(name)
+def _light_parent(context: dict[str, Any]) -> None:
+    """A task's context carries its parent flow run's flow and parameters, and its parent task run's task and
+    parameters (the stage task it was submitted from), which a Ray worker unpickles before the task runs: for
+    an episode's rule reward, the episode flow and the score stage (their modules import the run's machinery,
+    transformers included: about 5 CPU-s in every new worker, so a run's first score stage took 7 s where the
+    next took 0.2 s) and the episode's `RunContext`; for a deployment's flow loaded from a file path as a
+    top-level module (``eval_flow``), a module the worker cannot import at all. In the worker the task engine
+    reads of them only their names and versions (its loggers, `prefect.runtime`), the flow's task runner (for
+    tasks the task submits: none here) and the parent task run (the nesting in the UI), none of the parameters
+    (they key a cache policy's cache: a task of ours has none). So the context carries stand-ins of the same
+    names and versions, the flow on Prefect's default runner, and empty parameters."""
+    for part, kind in (("flow_run_context", "flow"), ("task_run_context", "task")):
+        parent = context.get(part) or {}
+        original = parent.get(kind)
+        if original is not None:
+            key = (kind, original.name, original.version)
+            if key not in _STAND_INS:
+                _STAND_INS[key] = (Flow(fn=_stand_in_body, name=original.name, version=original.version,
+                                        validate_parameters=False) if kind == "flow" else
+                                   Task(fn=_stand_in_body, name=original.name, version=original.version))
+            parent[kind] = _STAND_INS[key]
+        if "parameters" in parent:
+            parent["parameters"] = {}
 
 
-_BY_VALUE: set[str] = set()  # driver: flow modules checked (and shipped by value where not importable)
+def _stand_in_body() -> None:
+    """The body of a stand-in parent flow or task: never run."""
+
+
+_STAND_INS: dict[tuple[str, str, str | None], Any] = {}  # driver: one stand-in per parent's kind, name and version
 
 
 def _worker_prefect(key: str, serialized: dict[str, Any]) -> tuple[SettingsContext, SyncClientContext]:
@@ -113,12 +128,12 @@ class WarmRayTaskRunner(RayTaskRunner):
         task_run_id = uuid.uuid4()
         task_inputs = {k: collect_task_run_inputs_sync(v, future_cls=PrefectRayFuture) for k, v in parameters.items()}
         with _LOCK:
-            _ship_path_loaded_flow()
             key = _settings_key()
             current = SettingsContext.get()
             with _SerializedSettings(profile=current.profile, settings=current.settings):
                 context = serialize_context(asset_ctx_kwargs={"task": task, "task_run_id": task_run_id,
                                                               "task_inputs": task_inputs, "copy_to_child_ctx": True})
+            _light_parent(context)
             options = RemoteOptionsContext.get().current_remote_options
             remote = _REMOTES.get(repr(sorted(options.items())))
             if remote is None:
