@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO
+from tests.conftest import train_here as run_here
 
 pytestmark = pytest.mark.integration
 
@@ -138,6 +139,11 @@ RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.arg
                 "agent_higher_lower": ["runtime.eval_episode_interval=2"]}
 
 
+def engine_args(config, exp):
+    """The command's arguments for run ``exp`` of ``config`` with the resume tests' settings."""
+    return [f"configs/{config}.yaml", *RESUME_ARGS, *RESUME_EXTRA.get(config, []), f"runtime.exp_name={exp}"]
+
+
 def train_engine(config, out, exp, tiny_model_dir, crash=None):
     """A `chatlearn train` process of ``config`` that joins the session's Ray (a local Ray of its own, started and
     ended, costs seconds: its SIGKILL is tests/test_resume.py's), SIGKILLed at ``crash``."""
@@ -149,21 +155,14 @@ def train_engine(config, out, exp, tiny_model_dir, crash=None):
     env.pop("CHATLEARN_CRASH_AT", None)
     if crash:
         env["CHATLEARN_CRASH_AT"] = crash
-    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", f"configs/{config}.yaml", *RESUME_ARGS,
-                           *RESUME_EXTRA.get(config, []), f"runtime.exp_name={exp}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *engine_args(config, exp)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
 
 
 def train_here(config, out, exp, tiny_model_dir, monkeypatch):
     """The same run as `train_engine` without a crash, in this process on the session's Ray (no process or Ray
     to start): the reference a killed process's runs must reproduce."""
-    from flows import train_flow
-
-    monkeypatch.chdir(REPO)
-    monkeypatch.setenv("CHATLEARN_OUTPUT_DIR", str(out))
-    monkeypatch.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
-    return train_flow(config_path=f"configs/{config}.yaml",
-                      overrides=[*RESUME_ARGS, *RESUME_EXTRA.get(config, []), f"runtime.exp_name={exp}"])
+    return run_here(engine_args(config, exp), out, tiny_model_dir, monkeypatch)
 
 
 def killed_and_resumed(config, tmp_path, ref, exp, crash, timing, tiny_model_dir, monkeypatch, capsys):
@@ -325,8 +324,6 @@ def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_ap
     with pytest.raises(ray.exceptions.GetTimeoutError):
         ray.get(pending.ref, timeout=3)
     ray.cancel(pending.ref, force=True)
-
-
 
 
 def test_a_rule_task_reaches_its_worker_without_the_flows_and_their_imports(prefect_api):
