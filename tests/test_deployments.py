@@ -320,11 +320,16 @@ def test_an_engine_of_ones_own_from_the_command_and_its_run_graph(stack, tmp_pat
         # an episode's ctx parameter shows the run's spec (chatlearn.runtime.context.RunContext.as_parameter)
         episode = next(r for r in runs
                        if r.parameters.get("ctx", {}).get("runtime", {}).get("exp_name") == "custom_engine")
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[episode.id])))
-    by_name = {t.name: t for t in tasks}
-    assert {"policy.forward_step", "reference.forward_step", "format.score_step", "answer.forward_step",
-            "drop_uniform_groups", "ppo_policy.train_step", "policy.eval_forward",
-            "answer.eval_forward"} <= set(by_name)
+        expected = {"policy.forward_step", "reference.forward_step", "format.score_step", "answer.forward_step",
+                    "drop_uniform_groups", "ppo_policy.train_step", "policy.eval_forward", "answer.eval_forward"}
+        deadline = time.monotonic() + 30  # the server writes task runs in batches, after the process is gone
+        while True:
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[episode.id])))
+            by_name = {t.name: t for t in tasks}
+            if expected <= set(by_name) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert expected <= set(by_name)
     assert {i.id for i in by_name["drop_uniform_groups"].task_inputs["upstream"]} == {by_name["answer.forward_step"].id}
     assert {i.id for i in by_name["answer.forward_step"].task_inputs["upstream"]} == {
         by_name["reference.forward_step"].id, by_name["format.score_step"].id}
