@@ -159,10 +159,10 @@ def train_engine(config, out, exp, tiny_model_dir, crash=None):
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-def train_here(config, out, exp, tiny_model_dir, monkeypatch):
+def train_here(config, out, exp, tiny_model_dir, monkeypatch, **variables):
     """The same run as `train_engine` without a crash, in this process on the session's Ray (no process or Ray
     to start): the reference a killed process's runs must reproduce."""
-    return run_here(engine_args(config, exp), out, tiny_model_dir, monkeypatch)
+    return run_here(engine_args(config, exp), out, tiny_model_dir, monkeypatch, **variables)
 
 
 def killed_and_resumed(config, tmp_path, ref, exp, crash, timing, tiny_model_dir, monkeypatch, capsys):
@@ -218,6 +218,15 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
     assert len(rows) == 2
     if config == "grpo":
         assert "old log-probs: generation (the policy holds the trainer's weights" in again
+    if config == "online_dpo":  # vLLM's own process (the policy's) SIGKILLed there: recovered in the run, with a
+        # new engine that draws what the lost one would have
+        train_here(config, tmp_path, "engine-lost", tiny_model_dir, monkeypatch,
+                   CHATLEARN_KILL_AT="policy:after_generate:1")
+        assert "died during episode 2; recreating the model processes" in capsys.readouterr().err
+        expected = load_file(str(tmp_path / "ref" / "final" / "policy" / "model.safetensors"))
+        weights = load_file(str(tmp_path / "engine-lost" / "final" / "policy" / "model.safetensors"))
+        assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+        assert [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / "engine-lost")] == rows
 
 
 def _exp_name(flow_run) -> str | None:
@@ -279,8 +288,8 @@ def test_pipelined_grpo_overlaps_its_episodes_and_resumes_bit_identical(prefect_
     _, ref_rows = killed_and_resumed("grpo_async", tmp_path, "async-ref", "async-killed", "after_generate:1", timing,
                                      tiny_model_dir, monkeypatch, capsys)
     # the policy's own process SIGKILLed at the same point: recreated, and the run redoes episode 2 exactly
-    monkeypatch.setenv("CHATLEARN_KILL_AT", "policy:after_generate:1")
-    train_here("grpo_async", tmp_path, "async-lost", tiny_model_dir, monkeypatch)
+    train_here("grpo_async", tmp_path, "async-lost", tiny_model_dir, monkeypatch,
+               CHATLEARN_KILL_AT="policy:after_generate:1")
     assert "died during episode 2; recreating the model processes" in capsys.readouterr().err
     expected = load_file(str(tmp_path / "async-ref" / "final" / "policy" / "model.safetensors"))
     weights = load_file(str(tmp_path / "async-lost" / "final" / "policy" / "model.safetensors"))

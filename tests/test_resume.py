@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from chatlearn.runtime.cluster import reaper
 from chatlearn.runtime.records import prefect_server
-from tests.conftest import chatlearn_train
+from tests.conftest import chatlearn_train, train_here
 
 pytestmark = pytest.mark.integration
 
@@ -70,11 +70,14 @@ def comparable_rows(run_dir):
 
 
 @pytest.fixture(scope="module")
-def reference_run(prefect_api, model_dirs, tmp_path_factory):
-    """The uninterrupted run every disturbed one must reproduce: (its weights, its comparable rows)."""
+def reference_run(prefect_api, ray_session, model_dirs, tmp_path_factory):
+    """The uninterrupted run every disturbed one must reproduce: (its weights, its comparable rows). It runs in
+    this process, on the session's Ray: the disturbed runs are the command's own processes."""
     out = tmp_path_factory.mktemp("reference")
-    ref = train(out, "ref", model_dirs)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    tiny_model_dir, tiny_qwen2_dir = model_dirs
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        train_here([*ARGS, "runtime.exp_name=ref"], out, tiny_model_dir, monkeypatch,
+                   CHATLEARN_TINY_QWEN2_DIR=tiny_qwen2_dir)
     rows = comparable_rows(out / "ref")
     assert [r["episode"] for r in rows] == [1, 2, 3, 4]
     # each checkpoint holds the tied weight once (its other name an alias), and the exported policy is tied

@@ -132,14 +132,16 @@ def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is
 
 
 @pytest.mark.integration
-def test_grpo_with_vllm_trains_on_the_weights_it_sampled_with(prefect_api, ray_session, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("fixture", ARCHITECTURES)
+def test_grpo_with_vllm_trains_on_the_weights_it_sampled_with(prefect_api, ray_session, fixture, request, tmp_path):
     """Two GRPO episodes, one step each, the trainer scoring the samples (`old_logprobs: trainer`): the episode's
     mismatch metrics compare vLLM's log-probs with the trainer's, token by token, and are ~0 only if vLLM sampled
-    on the trainer's weights, episode 2 on those synced after episode 1."""
+    on the trainer's weights, episode 2 on those synced after episode 1. On the Llama and on the tied GQA Qwen2
+    (its one embedding matrix, trained as the output layer too, reaches vLLM's tied head)."""
     from flows import train_flow
 
-    cfg = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32", "runtime.rollout_engine=vllm",
-                "models.ppo_policy.args_dict.old_logprobs=trainer")
+    cfg = small("grpo", tmp_path, request.getfixturevalue(fixture), "runtime.train_global_batch_size=32",
+                "runtime.rollout_engine=vllm", "models.ppo_policy.args_dict.old_logprobs=trainer")
     train_flow(cfg)
     rows = rows_of(tmp_path / cfg.runtime.exp_name)
     assert [r["episode"] for r in rows] == [1, 2] and all(r["num_samples"] == 32 for r in rows)

@@ -129,19 +129,21 @@ def process_loss(exc: BaseException, processes: dict[str, Any], nodes_before: se
 
 # -- fault injection for the tests and the soak benchmark ---------------------------------------------------
 
-# Why process-wide: a kill point set in the environment fires once per process, whichever run reaches it.
-_FIRED: set[str] = set()
+# Why process-wide: the point is set in the environment, and the run that recovers from the kill redoes the
+# episode and passes it again; kept per run directory, so that each run of one process (the tests') fires it.
+_FIRED: set[tuple[str, str]] = set()
 
 
 def kill_point(point: str, episode: int, run_dir: str) -> None:
-    """SIGKILL a model's worker process if ``CHATLEARN_KILL_AT`` is ``<model>:<point>:<episode>`` (once per
-    driver process: the redone episode passes the point again). The pid comes from ``run_dir/placement.json``
-    (rank 0 of replica 0). A real SIGKILL of a Ray worker at an exact moment, as a lost process would be."""
+    """SIGKILL a model's worker process if ``CHATLEARN_KILL_AT`` is ``<model>:<point>:<episode>`` (once per run
+    directory in a driver process: the redone episode passes the point again). The pid comes from
+    ``run_dir/placement.json`` (rank 0 of replica 0). A real SIGKILL of a Ray worker at an exact moment, as a lost
+    process would be."""
     spec = os.environ.get("CHATLEARN_KILL_AT", "")
     model, _, rest = spec.partition(":")
-    if not model or rest != f"{point}:{episode}" or spec in _FIRED:
+    if not model or rest != f"{point}:{episode}" or (run_dir, spec) in _FIRED:
         return
-    _FIRED.add(spec)
+    _FIRED.add((run_dir, spec))
     with open(os.path.join(run_dir, "placement.json")) as f:
         pid = json.load(f)["ranks"][model][0][0]["pid"]
     os.kill(pid, signal.SIGKILL)
