@@ -144,17 +144,19 @@ def engine_args(config, exp):
     return [f"configs/{config}.yaml", *RESUME_ARGS, *RESUME_EXTRA.get(config, []), f"runtime.exp_name={exp}"]
 
 
-def train_engine(config, out, exp, tiny_model_dir, crash=None):
+def train_engine(config, out, exp, tiny_model_dir, crash=None, kill=None):
     """A `chatlearn train` process of ``config`` that joins the session's Ray (a local Ray of its own, started and
-    ended, costs seconds: its SIGKILL is tests/test_resume.py's), SIGKILLed at ``crash``."""
+    ended, costs seconds: its SIGKILL is tests/test_resume.py's), SIGKILLed at ``crash``; ``kill``: a model
+    process of it SIGKILLed before (CHATLEARN_KILL_AT)."""
     import ray
     from prefect.settings import PREFECT_API_URL
 
     env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
                PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-    env.pop("CHATLEARN_CRASH_AT", None)
-    if crash:
-        env["CHATLEARN_CRASH_AT"] = crash
+    for name, value in (("CHATLEARN_CRASH_AT", crash), ("CHATLEARN_KILL_AT", kill)):
+        env.pop(name, None)
+        if value:
+            env[name] = value
     return subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *engine_args(config, exp)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
 
@@ -165,12 +167,15 @@ def train_here(config, out, exp, tiny_model_dir, monkeypatch, **variables):
     return run_here(engine_args(config, exp), out, tiny_model_dir, monkeypatch, **variables)
 
 
-def killed_and_resumed(config, tmp_path, ref, exp, crash, timing, tiny_model_dir, monkeypatch, capsys):
-    """A `chatlearn train` process of ``config`` SIGKILLed at ``crash``, then the same run again here: it resumes
-    after episode 1 and ends with run ``ref``'s final policy and rows (less ``timing``), bit for bit. Returns what
-    the re-run wrote to stderr and the rows."""
-    killed = train_engine(config, tmp_path, exp, tiny_model_dir, crash=crash)
+def killed_and_resumed(config, tmp_path, ref, exp, crash, timing, tiny_model_dir, monkeypatch, capsys, kill=None):
+    """A `chatlearn train` process of ``config`` SIGKILLed at ``crash`` (``kill``: a model process of it SIGKILLed
+    before, recovered in that run), then the same run again here: it resumes after episode 1 and ends with run
+    ``ref``'s final policy and rows (less ``timing``), bit for bit. Returns what the re-run wrote to stderr and the
+    rows."""
+    killed = train_engine(config, tmp_path, exp, tiny_model_dir, crash=crash, kill=kill)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    if kill:
+        assert "died during episode 1; recreating the model processes" in killed.stderr, killed.stderr[-3000:]
     capsys.readouterr()
     train_here(config, tmp_path, exp, tiny_model_dir, monkeypatch)
     again = capsys.readouterr().err
@@ -213,20 +218,14 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
         assert first["dynamic_sampling_rounds"] == 2 and first["filtered_groups"] > 0
         assert first["consumed_samples"] == 64 and first["num_samples"] == 32
         assert second["consumed_samples"] == 64 + 32 * second["dynamic_sampling_rounds"]
+    # online DPO: the killed process's policy process, vLLM's engine in it, SIGKILLed in episode 1 first: the run
+    # recreates its model processes and redoes the episode, a new engine drawing what the lost one would have
+    kill = "policy:after_generate:0" if config == "online_dpo" else None
     again, rows = killed_and_resumed(config, tmp_path, "ref", "killed", "after_generate:1", timing, tiny_model_dir,
-                                     monkeypatch, capsys)
+                                     monkeypatch, capsys, kill=kill)
     assert len(rows) == 2
     if config == "grpo":
         assert "old log-probs: generation (the policy holds the trainer's weights" in again
-    if config == "online_dpo":  # vLLM's own process (the policy's) SIGKILLed there: recovered in the run, with a
-        # new engine that draws what the lost one would have
-        train_here(config, tmp_path, "engine-lost", tiny_model_dir, monkeypatch,
-                   CHATLEARN_KILL_AT="policy:after_generate:1")
-        assert "died during episode 2; recreating the model processes" in capsys.readouterr().err
-        expected = load_file(str(tmp_path / "ref" / "final" / "policy" / "model.safetensors"))
-        weights = load_file(str(tmp_path / "engine-lost" / "final" / "policy" / "model.safetensors"))
-        assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
-        assert [{k: v for k, v in r.items() if k not in timing} for r in rows_of(tmp_path / "engine-lost")] == rows
 
 
 def _exp_name(flow_run) -> str | None:
