@@ -109,12 +109,17 @@ def engine_problems(*overrides: str, config: str = DEFAULT) -> list[str]:
 def test_sglang_is_a_known_name_refused_vllms_limits_are_named_and_a_typo_lists_the_engines():
     assert engine_problems("runtime.rollout_engine=continuous") == []
     assert engine_problems("runtime.rollout_engine=vllm") == []
-    assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.top_k=5") == [
-        "models.policy.args_dict.top_k with runtime.rollout_engine 'vllm' is not supported yet (its log-probs "
-        "would be over the top-k tokens only)"]
-    assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.min_new_tokens=2") == [
-        "models.policy.args_dict.min_new_tokens with runtime.rollout_engine 'vllm' is not supported yet (its "
-        "log-probs would be renormalised without EOS for those tokens)"]
+    # sampling filters at temperature 1 (the default's): vLLM's raw log-probs are the trainers' (tests/test_vllm.py)
+    assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.top_k=5",
+                           "models.policy.args_dict.top_p=0.9", "models.policy.args_dict.min_new_tokens=2") == []
+    assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.top_k=-1",
+                           "models.policy.args_dict.temperature=0.7") == []  # vLLM's "all tokens"
+    assert engine_problems("runtime.rollout_engine=vllm", "models.policy.args_dict.top_p=0.9",
+                           "models.policy.args_dict.min_new_tokens=2", "models.policy.args_dict.temperature=0.7") == [
+        f"models.policy.args_dict.{name} with runtime.rollout_engine 'vllm' needs temperature 1.0 "
+        "(models.policy.args_dict.temperature is 0.7): vLLM gives the whole vocabulary's log-probs, what the "
+        f"trainers compute, only before temperature; after it, over the tokens {name} keeps"
+        for name in ("top_p", "min_new_tokens")]
     # vLLM's own settings: with another engine, or a GPU's share on the CPU build, refused by name
     assert engine_problems("runtime.rollout_engine=continuous", "models.policy.args_dict.kv_cache_space_gb=1") == [
         "models.policy.args_dict.kv_cache_space_gb is a setting of rollout_engine 'vllm'; runtime.rollout_engine "

