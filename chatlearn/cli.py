@@ -1,5 +1,5 @@
 """`chatlearn` command: `train`, `eval`, `config`, `plan`, `deploy`, `serve`, each `[CONFIG] [key=value ...]`,
-`server`, `reward-server MODEL_PATH`, and `export RUN_DIR OUT`.
+`server`, `reward-server MODEL_PATH`, `export RUN_DIR OUT` and `trace RUN_DIR`.
 
 CONFIG is a YAML file, or the name of a config shipped with the package, without a folder: `default` (the
 embedded default, used without CONFIG), `grpo`, `dpo`, `online_dpo`, `rloo`, `reinforce_pp`, `dapo`, ... (the
@@ -15,7 +15,8 @@ worker runs, `serve` runs one from this process, `server` keeps the local Prefec
 `reward-server` serves a reward model over HTTP to the runs that name it in `models.<name>.args_dict.remote_url`
 (`chatlearn.models.hf.reward_server`).
 `export` writes a checkpoint iteration of a run as a Hugging Face model (LoRA merged) or a peft adapter, with a
-model card (`chatlearn.models.hf.export`).
+model card (`chatlearn.models.hf.export`). `trace RUN_DIR` prints or writes the samples a run kept
+(`runtime.trace_samples`: `chatlearn.runtime.records.traces`).
 
 The commands import torch, Ray and Prefect only when they run, so `chatlearn config` answers at once.
 """
@@ -215,6 +216,58 @@ def cmd_export(run_dir: str, out: str, iteration: int | None, to: str, model: st
     return 0
 
 
+# what `chatlearn trace` prints of each sample, when these columns are there (--columns picks others)
+TRACE_COLUMNS = ("episode", "sample_id", "group_id", "reward", "advantage", "policy_version", "staleness", "prompt",
+                 "response")
+
+
+def cmd_trace(run_dir: str, episode: int | None, where: str | None, columns: str | None, out: str | None,
+              limit: int) -> int:
+    from chatlearn.runtime.records.traces import TRACE_DIR, read_traces  # lazy, as above
+
+    if not os.path.isdir(run_dir):
+        raise UserError(f"{run_dir} is not a run directory")
+    table = read_traces(run_dir, episode)
+    if table.empty:
+        which = f" of episode {episode}" if episode is not None else ""
+        raise UserError(f"{run_dir} keeps no samples{which} (its {TRACE_DIR}/ folder: runtime.trace_samples)")
+    if where:
+        try:
+            table = table.query(where)
+        except Exception as exc:  # pandas' own error names what it could not read
+            raise UserError(f"--where {where!r}: {type(exc).__name__}: {exc} (columns: "
+                            f"{', '.join(table.columns)})") from exc
+    if columns:
+        wanted = [c.strip() for c in columns.split(",") if c.strip()]
+        missing = [c for c in wanted if c not in table.columns]
+        if missing:
+            raise UserError(f"--columns: no column {', '.join(missing)} (columns: {', '.join(table.columns)})")
+        table = table[wanted]
+    if out:
+        suffix = os.path.splitext(out)[1]
+        writers = {".parquet": table.to_parquet, ".csv": lambda p: table.to_csv(p, index=False),
+                   ".jsonl": lambda p: table.to_json(p, orient="records", lines=True)}
+        if suffix not in writers:
+            raise UserError(f"--out {out}: .parquet, .csv or .jsonl")
+        writers[suffix](out)
+        print(f"{len(table)} samples -> {out}", file=sys.stderr)
+        return 0
+    shown = table if columns else table[[c for c in TRACE_COLUMNS if c in table.columns]]
+    with _pandas_width():
+        print(shown.head(limit).to_string(index=False, max_colwidth=60))
+    if len(table) > limit:
+        print(f"({len(table)} samples; the first {limit} shown: --limit, or --out FILE for all)", file=sys.stderr)
+    return 0
+
+
+@contextlib.contextmanager
+def _pandas_width() -> Iterator[None]:
+    import pandas as pd  # lazy, as above
+
+    with pd.option_context("display.width", 200, "display.max_columns", None):
+        yield
+
+
 def cmd_deploy(items: list[str], how: str, name: str | None, cron: str | None, on_overlap: str | None,
                evaluate: bool, work_pool: str | None) -> int:
     """`deploy`: register on the work pool and exit; `serve`: register and run the deployment here."""
@@ -315,6 +368,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
                       "that address first",
                       "chatlearn reward-server output/my-reward-model --port 8765   # remote_url: "
                       "http://127.0.0.1:8765"),
+    "trace": ("print or write the samples a run kept (runtime.trace_samples): prompt, response, rewards, "
+              "advantage, the weights version that generated each, log-probs",
+              "chatlearn trace output/grpo --episode 12 --where 'advantage > 0.5'"),
     "export": ("write a checkpoint iteration of a run as a Hugging Face model (LoRA merged into the base) or, for "
                "a LoRA run, as a peft adapter, with the tokenizer and a model card (README.md: the config and that "
                "iteration's metrics)",
@@ -368,6 +424,17 @@ def _parser() -> argparse.ArgumentParser:
                            help="the model directory the config.json and tokenizer come from (default: the run's "
                                 "models.MODEL.args_dict.model_path, else RUN_DIR/final/policy); the weights always "
                                 "come from the checkpoint")
+            continue
+        if name == "trace":
+            p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (output_dir/exp_name)")
+            p.add_argument("--episode", type=int, default=None, help="that episode only (counted from 1)")
+            p.add_argument("--where", default=None,
+                           help="rows where this pandas query holds, e.g. \"reward > 0.5 and staleness == 0\"")
+            p.add_argument("--columns", default=None, help="these columns, comma-separated (default: ids, reward, "
+                                                           "advantage, version, prompt and response)")
+            p.add_argument("--out", default=None, help="write every matching row, all columns unless --columns, "
+                                                       "to a .parquet, .csv or .jsonl file")
+            p.add_argument("--limit", type=int, default=20, help="rows printed (default 20)")
             continue
         if name == "plan":
             p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
@@ -427,6 +494,8 @@ def _main(argv: list[str] | None) -> int:
             return cmd_server(ns.host, ns.port)
         if ns.command == "reward-server":
             return cmd_reward_server(ns.model_path, ns.host, ns.port, ns.batch_size, ns.dtype, ns.device)
+        if ns.command == "trace":
+            return cmd_trace(ns.run_dir, ns.episode, ns.where, ns.columns, ns.out, ns.limit)
         if ns.command == "export":
             return cmd_export(ns.run_dir, ns.out, ns.iteration, ns.to, ns.model, ns.force, ns.model_path)
         if ns.command in ("deploy", "serve"):

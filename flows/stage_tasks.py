@@ -126,8 +126,10 @@ def train(ctx: RunContext, experience: RefBox, episode: int, start_iteration: in
     train on them, each a task run, at once."""
     clock = StageClock("train", episode, ctx.spec.runtime.stage_timeout_s)
     parts = experience_parts(experience)
-    stats, samples_ref = ctx.stream.episode_samples.remote(parts, episode=episode)  # the driver owns the samples
+    # the driver owns the samples; the trace rows go to the run's recorder (`RunRecorder.record`)
+    stats, samples_ref, trace = ctx.stream.episode_samples.remote(parts, episode=episode)
     metrics = clock.get(stats, "the stream dataset")
+    metrics["trace"] = clock.get(trace, "the stream dataset")
     flow = ctx.spec.plan.trainer
     batches = Batches(1, start_iteration, train={"episode": episode, "start_iteration": start_iteration,
                                                  "group_size": ctx.spec.group_size})

@@ -427,7 +427,7 @@ def test_a_batch_is_the_drivers_and_outlives_the_process_that_made_it(ray_sessio
                                                                                    flow_method="score_step")
         assert clock.get(call) is True  # the stage waits on `done`; the batch stays where it was made
         assert owner_of(call.batch) == driver
-        stats, samples = stream.episode_samples.remote([[call.batch]], episode=0)
+        stats, samples, _ = stream.episode_samples.remote([[call.batch]], episode=0)
         assert clock.get(stats)["num_samples"] == 2 and owner_of(samples) == driver
 
         sigkill_and_wait(pid)

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 
+import pandas as pd
 import pytest
 import torch
 from prefect.client.orchestration import get_client
@@ -30,6 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from chatlearn.runtime.cluster import reaper
 from chatlearn.runtime.records import prefect_server
+from chatlearn.runtime.records.traces import read_traces
 from tests.conftest import chatlearn_train, train_here
 
 pytestmark = pytest.mark.integration
@@ -86,15 +88,20 @@ def reference_run(prefect_api, ray_session, model_dirs, tmp_path_factory):
         assert f.metadata() == {"lm_head.weight": "model.embed_tokens.weight"}
     final = AutoModelForCausalLM.from_pretrained(out / "ref" / "final" / "policy")
     assert final.lm_head.weight.data_ptr() == final.model.embed_tokens.weight.data_ptr()
-    return load_file(str(out / "ref" / "final" / "policy" / "model.safetensors")), rows
+    traces = read_traces(out / "ref")
+    assert list(traces.groupby("episode").size()) == [32] * 4
+    return load_file(str(out / "ref" / "final" / "policy" / "model.safetensors")), rows, traces
 
 
 def assert_same_as_reference(run_dir, reference_run):
-    expected_weights, expected_rows = reference_run
+    expected_weights, expected_rows, expected_traces = reference_run
     weights = load_file(str(run_dir / "final" / "policy" / "model.safetensors"))
     assert weights.keys() == expected_weights.keys()
     assert all(torch.equal(weights[k], expected_weights[k]) for k in weights), run_dir
     assert comparable_rows(run_dir) == expected_rows, run_dir
+    # the samples' tables too: each episode's once, equal to the uninterrupted run's (issue 47)
+    pd.testing.assert_frame_equal(read_traces(run_dir), expected_traces)
+    assert sorted(p.name for p in (run_dir / "traces").iterdir()) == [f"episode_{e:06d}.parquet" for e in range(1, 5)]
 
 
 def test_sigkill_at_two_moments_then_a_rerun_whose_prefect_api_goes_away_gives_the_uninterrupted_run(

@@ -107,6 +107,22 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
         assert r["train_steps"] == 4  # 128 samples / global batch 32
         assert 1 <= r["response_length_mean"] <= 2  # max_new_tokens
         assert set(r["stage_seconds"]) >= {"generate", "score", "train", "sync", "checkpoint"}
+    # every sample of each episode is in its trace table (runtime.trace_samples: all), as its row's means say
+    from chatlearn.runtime.records.traces import read_traces
+
+    traces = read_traces(run_dir)
+    assert list(traces.groupby("episode").size()) == [128, 128] and traces["trained"].all()
+    for r in rows:
+        t = traces[traces["episode"] == r["episode"]]
+        assert sorted(t["sample_id"]) == list(range((r["episode"] - 1) * 128, r["episode"] * 128))
+        assert t["reward"].mean() == pytest.approx(r["reward_mean"], abs=1e-6)
+        assert t["kl"].mean() == pytest.approx(r["kl_mean"], abs=1e-6)
+        assert t["response_tokens"].mean() == pytest.approx(r["response_length_mean"])
+        assert r["trace_bytes"] == (run_dir / "traces" / f"episode_{r['episode']:06d}.parquet").stat().st_size
+        # generated on the weights the episode before trained (version = episodes trained), none stale
+        assert set(t["policy_version"]) == {r["episode"] - 1} and set(t["staleness"]) == {0}
+    assert traces["advantage"].notna().all() and (traces["logprob_mean"] < 0).all()
+    assert traces["prompt"].str.len().gt(0).all() and traces["response"].notna().all()
     # eval every 2 episodes: after episode 1 only, plus the baseline before training
     assert "eval_reward_mean" not in rows[0] and "eval_reward_mean" in rows[1]
     assert "eval" in rows[1]["stage_seconds"]

@@ -330,6 +330,13 @@ class RuntimeConfig(Section):
         "the run fails naming the stage and the model; a step outside the episodes (model setup, resume, export) "
         "gets this or 600 s, whichever is longer",
     )
+    # -- what a run keeps of its samples (not in ChatLearn, which keeps none) --
+    trace_samples: str | int = Field(
+        default="all",
+        description="each episode's samples written to run_dir/traces/episode_NNNNNN.parquet (prompt, response, "
+        "rewards by name, advantage, the weight version that generated it, log-probs, ...; `chatlearn trace`): "
+        "'all', 'none', or a number N: N of them drawn at random (the same N for the same seed and episode)",
+    )
     # -- the run directory keeps its run (not in ChatLearn, which overwrites an earlier run's results) --
     resume_with_changes: bool = Field(
         default=False,
@@ -363,6 +370,15 @@ class RuntimeConfig(Section):
         # Case-insensitive like ChatLearn's validation, but normalized so later exact comparisons work.
         allowed = STREAM_DATA_LOADER_TYPES if info.field_name == "stream_data_loader_type" else PARAM_SYNC_COMM_TYPES
         return value.lower() if value.lower() in allowed else value
+
+    @field_validator("trace_samples", mode="after")
+    @classmethod
+    def _trace_samples(cls, value: str | int) -> str | int:
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int) and value < 0 or isinstance(value, str) and value not in ("all", "none"):
+            raise ValueError(f"trace_samples is 'all', 'none' or a number of samples >= 0, not {value!r}")
+        return value
 
     @field_validator("task_type", mode="after")
     @classmethod

@@ -20,6 +20,7 @@ from chatlearn.data.dynamic_sampling import informative_groups, keep_informative
 from chatlearn.data.relay import RelayBuffer, load_hook
 from chatlearn.data.stream import episode_training_samples
 from chatlearn.runtime.calls.waiting import fetch
+from chatlearn.runtime.records.traces import trace_rows
 from chatlearn.utils.wire import packed
 
 
@@ -50,23 +51,28 @@ class StreamDataset:
         self.relay = RelayBuffer(runtime_args.max_relay_episode, runtime_args.relay_episode_offset,
                                  load_hook(hook) if hook else None)
 
-    @ray.method(num_returns=2)
-    def episode_samples(self, batches: list[list[Any]], episode: int) -> tuple[dict[str, Any], packed]:
-        """The episode's experience stats and its training samples, as two return values: the caller (the
-        driver) waits for the stats and owns the samples, which only the trainers fetch. ``batches`` holds each
-        batch's parts (the outputs of the environment flow's returned calls, merged)."""
+    @ray.method(num_returns=3)
+    def episode_samples(self, batches: list[list[Any]], episode: int
+                        ) -> tuple[dict[str, Any], packed, list[dict[str, Any]]]:
+        """The episode's experience stats, its training samples and its trace rows (every sample it generated,
+        `runtime.trace_samples`), as three return values: the caller (the driver) waits for the stats and the
+        rows, and owns the samples, which only the trainers fetch. ``batches`` holds each batch's parts (the
+        outputs of the environment flow's returned calls, merged)."""
         produced = self._samples(batches)
+        generated = produced
         filtered = {}
         if self.rt.dynamic_sampling:  # every response generated is reported; the informative groups train
-            generated = experience_stats(produced)
+            every = experience_stats(produced)
             produced, dropped = keep_informative(produced, self.rt.sample_per_episode)
-            filtered = {**generated, "filtered_groups": dropped}
+            filtered = {**every, "filtered_groups": dropped}
         own, samples = episode_training_samples(produced, episode, self.relay, self.rt.stream_data_loader_type,
                                                 self.rt.sample_per_episode)
         stats = experience_stats(own)
         stats.update(filtered)
         stats.update(num_samples=len(samples), relay_episodes=len(self.relay.episodes))
-        return stats, packed(samples)  # tensors as arrays: each trainer's get is cheap
+        rows = trace_rows(generated, (s.get("sample_id", -1) for s in samples), episode, self.rt.trace_samples,
+                          self.rt.seed)
+        return stats, packed(samples), rows  # tensors as arrays: each trainer's get is cheap
 
     def informative_samples(self, batches: list[list[Any]]) -> int:
         """Dynamic sampling: how many samples of these scored batches are in groups the reward tells apart."""

@@ -4,7 +4,8 @@
 the experiment trackers (`Trackers`), and the Prefect UI (the metrics table and curve, the progress bar).
 `commit` writes the data checkpoint record that makes the episode's model checkpoints the restart point (after
 its row, so a crash in between re-runs the episode and writes its row again: `chatlearn.checkpoint.resume`).
-`finish` writes the run's summary; `close` closes what is open, the run failed or not.
+`finish` writes the run's summary; `close` closes what is open, the run failed or not. An episode's samples
+go to its trace table with its row (`chatlearn.runtime.records.traces`).
 """
 
 import json
@@ -27,6 +28,7 @@ from chatlearn.runtime.records.reporting import (
     run_summary,
     user_row,
 )
+from chatlearn.runtime.records.traces import drop_traces_after, write_trace
 from chatlearn.runtime.records.trackers import Trackers
 from chatlearn.utils.storage import writing
 
@@ -43,6 +45,7 @@ class RunRecorder:
         self.cfg, self.run_dir, self.first, self.startup_seconds = cfg, run_dir, first, startup_seconds
         self.store = DataCheckpointStore(data_checkpoint_path)
         self.reporter = EpisodeReporter(cfg, run_dir, first_episode=first)
+        drop_traces_after(run_dir, first)  # as the reporter cuts the rows of the episodes that run again
         self.trackers = Trackers.open(cfg, run_dir, first_episode=first)  # runtime.log_args_dict
         self.ui = flow_run_url()
         if self.ui:  # Prefect's own "View at" line is in the log file (chatlearn.runtime.records.console)
@@ -70,6 +73,9 @@ class RunRecorder:
             metrics["eval_reward_mean_before_training"] = self.eval_before_training
         if episode == self.first:
             metrics["startup_seconds"] = self.startup_seconds
+        trace = metrics.pop("trace", None)
+        if trace is not None and self.cfg.runtime.trace_samples != "none":  # its size: what a trace costs on disk
+            metrics["trace_bytes"] = write_trace(self.run_dir, episode, trace)
         self.reporter.record(metrics)
         self.trackers.log(self.reporter.rows[-1])
         num_episode = self.cfg.runtime.num_episode

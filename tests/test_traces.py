@@ -1,0 +1,99 @@
+"""Per-sample traces (issue 47, item 1): an episode's samples as rows of plain values, written whole or not at all
+beside its metrics row, cut on resume as the rows are, and read back by `chatlearn trace`. Whole runs write
+them too: tests/test_train_flow.py (the default's two episodes) and tests/test_resume.py (a SIGKILLed run's
+tables equal the uninterrupted run's)."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from chatlearn.cli import main
+from chatlearn.runtime.records.traces import drop_traces_after, read_traces, trace_path, trace_rows, write_trace
+
+
+def sample(i: int, score: float, version: int | None = None, **extra) -> dict:
+    s = {"sample_id": i, "group_id": i // 2, "prompt": f"max {i} ?", "response": f"{i % 10}",
+         "prompt_mask": torch.tensor([0, 1, 1]), "response_mask": torch.tensor([1.0, 1.0, 0.0]),
+         "scores": torch.tensor(score), "rewards/answer": score, "rewards/format": 0.5,
+         "advantages": torch.tensor([1.0, 3.0, 100.0]) * (i + 1),  # the padded third token is not counted
+         "logprobs": torch.tensor([-1.0, -2.0, -50.0]), "kl": torch.tensor([0.25, 0.25, 0.0])}
+    if version is not None:
+        s["policy_version"] = version
+    s.update(extra)
+    return s
+
+
+def test_rows_hold_each_samples_values_over_its_response_tokens():
+    samples = [sample(0, 1.0, version=3, turns=2), sample(1, 0.0, version=2, turns=3)]
+    rows = trace_rows(samples, trained=[0], episode=3, keep="all", seed=42)
+    assert rows[0] == {
+        "episode": 4, "sample_id": 0, "group_id": 0, "prompt": "max 0 ?", "response": "0", "prompt_tokens": 2,
+        "response_tokens": 2, "reward": 1.0, "rewards/answer": 1.0, "rewards/format": 0.5, "advantage": 2.0,
+        "return": None, "kl": 0.5, "policy_version": 3, "staleness": 0, "logprob_mean": -1.5,
+        "trainer_logprob_mean": None, "turns": 2.0, "trained": True}
+    assert (rows[1]["advantage"], rows[1]["policy_version"], rows[1]["staleness"], rows[1]["trained"]) == (
+        4.0, 2, 1, False)
+    # no version stamp (one stage after another): the weights the episode generated on, version `episode`
+    assert trace_rows([sample(0, 1.0)], [0], episode=5, keep="all", seed=0)[0]["policy_version"] == 5
+    assert trace_rows(samples, [0], 3, keep="none", seed=42) == []
+
+
+def test_a_number_keeps_that_many_the_same_for_the_same_seed_and_episode():
+    samples = [sample(i, float(i % 2)) for i in range(20)]
+    ids = [[r["sample_id"] for r in trace_rows(samples, [], episode, keep=5, seed=seed)]
+           for episode, seed in ((1, 42), (1, 42), (2, 42), (1, 7))]
+    assert all(len(x) == 5 and x == sorted(x) for x in ids)
+    assert ids[0] == ids[1] and ids[0] != ids[2] and ids[0] != ids[3]
+    assert len(trace_rows(samples, [], 1, keep=50, seed=42)) == 20
+
+
+def test_a_table_is_written_whole_and_a_resume_cuts_the_episodes_that_run_again(tmp_path):
+    for episode in range(3):
+        rows = trace_rows([sample(i, 1.0) for i in range(4)], range(4), episode, "all", 0)
+        assert write_trace(tmp_path, episode, rows) == trace_path(tmp_path, episode).stat().st_size > 0
+    assert write_trace(tmp_path, 3, []) == 0 and not trace_path(tmp_path, 3).exists()
+    table = read_traces(tmp_path)
+    assert list(table["episode"]) == [1] * 4 + [2] * 4 + [3] * 4
+    assert list(read_traces(tmp_path, episode=2)["sample_id"]) == [0, 1, 2, 3]
+    half = trace_path(tmp_path, 3).with_suffix(".parquet.tmp")
+    half.write_bytes(b"PAR1 cut short")  # a SIGKILL while it was written
+    drop_traces_after(tmp_path, 1)  # resuming after episode 1: episodes 2 and 3 run again
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["episode_000001.parquet"]
+    assert list(read_traces(tmp_path)["episode"]) == [1] * 4
+
+
+def test_chatlearn_trace_prints_filters_and_writes_the_rows(tmp_path, capsys):
+    run = tmp_path / "run"
+    for episode in range(2):
+        write_trace(run, episode, trace_rows([sample(i, float(i % 2)) for i in range(6)], range(6), episode, "all",
+                                             0))
+    assert main(["trace", str(run), "--episode", "2", "--where", "reward > 0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["episode", "sample_id", "group_id", "reward", "advantage", "policy_version",
+                                "staleness", "prompt", "response"]
+    assert [line.split()[:4] for line in lines[1:]] == [["2", str(i), str(i // 2), "1.0"] for i in (1, 3, 5)]
+    out = tmp_path / "high.jsonl"
+    assert main(["trace", str(run), "--where", "advantage >= 8", "--columns", "episode,sample_id,advantage",
+                 "--out", str(out)]) == 0
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        {"episode": e, "sample_id": i, "advantage": 2.0 * (i + 1)} for e in (1, 2) for i in (3, 4, 5)]
+    assert main(["trace", str(run), "--limit", "3"]) == 0
+    shown = capsys.readouterr()
+    assert len(shown.out.splitlines()) == 4 and "(12 samples; the first 3 shown" in shown.err
+    pd.testing.assert_frame_equal(read_traces(run), pd.concat([pd.read_parquet(trace_path(run, e)) for e in (0, 1)],
+                                                              ignore_index=True))
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--where", "rewad > 1"], "--where 'rewad > 1': UndefinedVariableError"),
+    (["--columns", "reward,nope"], "--columns: no column nope (columns: episode, sample_id,"),
+    (["--episode", "9"], "keeps no samples of episode 9 (its traces/ folder: runtime.trace_samples)"),
+    (["--out", "x.txt"], "--out x.txt: .parquet, .csv or .jsonl"),
+])
+def test_what_chatlearn_trace_cannot_do_is_one_line(tmp_path, capsys, args, said):
+    write_trace(tmp_path, 0, trace_rows([sample(0, 1.0)], [0], 0, "all", 0))
+    assert main(["trace", str(tmp_path), *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("chatlearn: error: ") and said in err and len(err.strip().splitlines()) == 1, err
