@@ -32,6 +32,7 @@ from chatlearn.runtime.context import RunContext
 from chatlearn.runtime.prefect import api_link
 from chatlearn.runtime.records.evaluation import eval_metrics, eval_results
 from chatlearn.runtime.records.reporting import artifact_key
+from chatlearn.runtime.records.traces import explaining
 from chatlearn.runtime.schedule import checkpoint_due, every
 from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.utils.errors import RunError, find_run_error
@@ -130,6 +131,12 @@ def train(ctx: RunContext, experience: RefBox, episode: int, start_iteration: in
     stats, samples_ref, trace = ctx.stream.episode_samples.remote(parts, episode=episode)
     metrics = clock.get(stats, "the stream dataset")
     metrics["trace"] = clock.get(trace, "the stream dataset")
+    if metrics["trace"]:  # on the episode's page in the UI: the samples that explain it (all: run_dir/traces)
+        api_link.post(create_table_artifact, key=artifact_key(ctx.spec.runtime.exp_name, "samples"),
+                      table=explaining(metrics["trace"], ctx.spec.runtime.seed),
+                      description=f"episode {episode + 1}: the samples of highest and lowest advantage, and a few "
+                                  f"at random (every one: `chatlearn trace "
+                                  f"{os.path.abspath(ctx.spec.runtime.run_dir)} --episode {episode + 1}`)")
     flow = ctx.spec.plan.trainer
     batches = Batches(1, start_iteration, train={"episode": episode, "start_iteration": start_iteration,
                                                  "group_size": ctx.spec.group_size})

@@ -41,6 +41,7 @@ from chatlearn.runtime.records.recorder import RunRecorder
 from chatlearn.runtime.records.reporting import artifact_key
 from chatlearn.runtime.records.run_lock import lock_run_dir
 from chatlearn.runtime.records.run_record import claim_run_dir, train_run_name
+from chatlearn.runtime.records.traces import TRACE_DIR
 from chatlearn.runtime.weights.sync import sync_routes
 from chatlearn.utils.errors import RunError
 from chatlearn.utils.storage import writing
@@ -228,6 +229,9 @@ def _show_outputs(cfg: ChatLearnConfig, last: dict[str, Any]) -> None:
     rows = [{"output": "run_dir", "path": str(Path(cfg.runtime.run_dir).resolve())}]
     if last.get("final_policy"):
         rows.append({"output": "final_policy", "path": str(Path(last["final_policy"]).resolve())})
+    traces = Path(cfg.runtime.run_dir) / TRACE_DIR
+    if traces.is_dir():  # every sample of every episode (`chatlearn trace RUN_DIR`)
+        rows.append({"output": "traces", "path": str(traces.resolve())})
     api_link.send(create_table_artifact, key=artifact_key(cfg.runtime.exp_name, "outputs"), table=rows,
                   description=f"where the outputs of {cfg.runtime.exp_name} are")
 

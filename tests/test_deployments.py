@@ -147,6 +147,7 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
         DeploymentFilter,
         DeploymentFilterId,
         FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
     )
     from prefect.exceptions import PrefectHTTPStatusError
 
@@ -235,6 +236,15 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
             any_=[done.id])))
         keys = {a.key for a in arts}
         assert {f"{exp}-outputs", f"{exp}-metrics", f"{exp}-progress", f"{exp}-curves"} <= keys, keys
+        # the episode's page holds its samples that explain it; the run's outputs name the whole tables
+        (episode,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[done.id])))
+        samples = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[episode.id]))) if a.key == f"{exp}-samples"]
+        assert len(samples) == 1 and samples[0].flow_run_id == episode.id
+        outputs = {row["output"]: row["path"] for row in json.loads(
+            next(a for a in arts if a.key == f"{exp}-outputs").data)}
+        assert outputs["traces"] == str(run_dir / "traces")
 
     # 5. the completion trigger started the eval deployment on that run: its final policy, into its run dir
     deadline = time.time() + 120
@@ -268,6 +278,10 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
     curve_text, curve_dom = chromium(f"{stack['ui']}/artifacts/artifact/{by_key[f'{exp}-curves'].id}",
                                      BROWSER_OUT / "run-curves.png")
     assert "reward / KL / eval curve" in curve_text and 'src="data:image/png;base64,' in curve_dom
+    samples_text, _ = chromium(f"{stack['ui']}/artifacts/artifact/{samples[0].id}", BROWSER_OUT / "samples.png")
+    for shown in ("highest advantage", "lowest advantage", "at random", "policy_version",
+                  f"chatlearn trace {run_dir} --episode 1"):
+        assert shown in samples_text, shown
 
 
 def test_serve_runs_a_deployment_from_one_process(stack, tmp_path):

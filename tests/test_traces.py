@@ -97,3 +97,19 @@ def test_what_chatlearn_trace_cannot_do_is_one_line(tmp_path, capsys, args, said
     assert main(["trace", str(tmp_path), *args]) == 1
     err = capsys.readouterr().err
     assert err.startswith("chatlearn: error: ") and said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_episodes_page_shows_the_samples_of_highest_and_lowest_advantage_and_a_few_at_random():
+    from chatlearn.runtime.records.traces import explaining
+
+    rows = trace_rows([sample(i, float(i % 2), response="x" * 300) for i in range(10)], range(10), 0, "all", 0)
+    shown = explaining(rows, seed=42)
+    assert [(r["shown"], r["sample_id"]) for r in shown[:6]] == [
+        ("highest advantage", 9), ("highest advantage", 8), ("highest advantage", 7),
+        ("lowest advantage", 2), ("lowest advantage", 1), ("lowest advantage", 0)]
+    rest = [r["sample_id"] for r in shown[6:]]
+    assert len(rest) == 3 and set(rest) <= {3, 4, 5, 6} and rest == [r["sample_id"] for r in explaining(rows, 42)[6:]]
+    assert shown[0]["response"] == "x" * 200 + "..." and shown[0]["advantage"] == 20.0
+    assert list(shown[0]) == ["shown", "sample_id", "reward", "advantage", "policy_version", "staleness", "prompt",
+                              "response"]
+    assert len(explaining(rows[:4], seed=42)) == 4  # fewer samples than it would show: each once

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TRACE_DIR", "drop_traces_after", "read_traces", "trace_path", "trace_rows", "write_trace"]
+__all__ = ["TRACE_DIR", "drop_traces_after", "explaining", "read_traces", "trace_path", "trace_rows", "write_trace"]
 
 TRACE_DIR = "traces"
 
@@ -74,6 +74,31 @@ def trace_rows(samples: list[dict[str, Any]], trained: Iterable[int], episode: i
         row["trained"] = int(s.get("sample_id", -1)) in trained
         rows.append(row)
     return rows
+
+
+# what an episode's samples artifact shows of each (the whole row is in the table on disk)
+SHOWN = ("sample_id", "reward", "advantage", "policy_version", "staleness", "prompt", "response")
+
+
+def explaining(rows: list[dict[str, Any]], seed: int, k: int = 3, width: int = 200) -> list[dict[str, Any]]:
+    """The samples that explain an episode, for its page in the UI: the ``k`` of highest and of lowest advantage
+    (reward without one), then ``k`` others at random (the same for the same ``seed`` and episode); texts cut to
+    ``width`` characters."""
+    key = "advantage" if any(r.get("advantage") is not None for r in rows) else "reward"
+    ranked = sorted((r for r in rows if r.get(key) is not None), key=lambda r: (-r[key], r["sample_id"]))
+    top, bottom = ranked[:k], ranked[k:][-k:]
+    chosen = {id(r) for r in top + bottom}
+    rest = [r for r in rows if id(r) not in chosen]
+    episode = rows[0]["episode"] if rows else 0
+    picked = sorted(random.Random(seed * 1_000_003 + episode).sample(range(len(rest)), min(k, len(rest))))
+    out = []
+    for which, group in (("highest " + key, top), ("lowest " + key, bottom), ("at random", [rest[i] for i in picked])):
+        for r in group:
+            row = {"shown": which}
+            row.update({c: (r[c][:width] + ("..." if len(r[c]) > width else "")) if isinstance(r.get(c), str)
+                        else r.get(c) for c in SHOWN})
+            out.append(row)
+    return out
 
 
 def trace_path(run_dir: str | Path, episode: int) -> Path:
