@@ -112,7 +112,7 @@ DECLARED_EXTRAS = {
     RuntimeConfig: {
         "seed": 42,
         "engine": "rlhf",
-        "rollout_engine": "hf",  # HEAD's default is vllm, a GPU build this project refuses (not supported yet)
+        "rollout_engine": "hf",  # HEAD's default is vllm (supported here, the CPU build: not the default)
         "max_staleness": 0,  # pipelined episodes (the peers' name, TRL's max_staleness); 0 is ChatLearn's episode
         "use_partial_rollout": False,  # HEAD's partial rollouts
         "task_type": "chat",  # HEAD's key: chat, or agent (multi-turn rollouts with an environment)
@@ -132,6 +132,8 @@ DECLARED_EXTRAS = {
         "log_args_dict": LogArgsConfig(),
         "max_restarts": 3,
         "stage_timeout_s": 3600.0,
+        "trace_samples": "all",  # each episode's samples in run_dir/traces (issue 47; ChatLearn keeps none)
+        "stall_factor": 5.0,  # the Prefect event chatlearn.run.stalled (issue 47)
         "resume_with_changes": False,
     },
     ModelConfig: {

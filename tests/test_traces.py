@@ -113,3 +113,59 @@ def test_an_episodes_page_shows_the_samples_of_highest_and_lowest_advantage_and_
     assert list(shown[0]) == ["shown", "sample_id", "reward", "advantage", "policy_version", "staleness", "prompt",
                               "response"]
     assert len(explaining(rows[:4], seed=42)) == 4  # fewer samples than it would show: each once
+
+
+def test_a_stall_is_said_once_for_an_episode_past_its_factor_times_the_median():
+    from chatlearn.runtime.records.events import StallWatch
+
+    now = [0.0]
+    said = []
+    watch = StallWatch(3.0, lambda *a: said.append(a), first=0, clock=lambda: now[0])
+    watch.close()  # checked by hand below, not from its thread
+    for episode, seconds in enumerate([10.0, 30.0, 20.0]):
+        now[0] += 100.0  # long, but three episodes are needed before any median counts
+        watch.check()
+        watch.episode_done(episode, seconds)
+    now[0] += 60.0  # episode 3 (0-based) so far: 3 x the median (20 s), not more
+    watch.check()
+    assert said == []
+    now[0] += 1.0
+    watch.check()
+    watch.check()
+    assert said == [(3, 61.0, 20.0)]  # once for the episode
+    watch.episode_done(3, 61.0)
+    now[0] += 200.0
+    watch.check()
+    assert said[-1] == (4, 200.0, 25.0)
+    off = StallWatch(0.0, lambda *a: said.append(a), first=0, clock=lambda: now[0])
+    for episode in range(3):
+        off.episode_done(episode, 1.0)
+    now[0] += 1e6
+    off.check()
+    off.close()
+    assert len(said) == 2
+
+
+@pytest.mark.integration
+def test_a_stalled_run_is_an_event_on_the_api(prefect_api, tmp_path):
+    import time
+    import uuid
+
+    from prefect import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    from chatlearn.runtime.records.events import STALLED, emit, run_resource
+
+    exp = f"stall-{uuid.uuid4().hex[:8]}"
+    emit(STALLED, run_resource(exp, str(tmp_path)), {"episode": 7, "seconds": 61.0, "median_seconds": 20.0,
+                                                     "stall_factor": 3.0}, None)
+    deadline = time.monotonic() + 30
+    with get_client(sync_client=True) as client:
+        while True:  # events are written by the server's own consumer, in batches
+            found = client.read_events(EventFilter(event=EventNameFilter(name=[STALLED]), resource=EventResourceFilter(
+                id=[f"chatlearn.run.{exp}"])), limit=50).events  # the client's default, 100, is over the server's 50
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert len(found) == 1 and found[0].payload["episode"] == 7
+    assert found[0].resource["chatlearn.run-dir"] == str(tmp_path)

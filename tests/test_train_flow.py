@@ -155,7 +155,7 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
                 any_=[r.id for r in runs])), limit=200)
             # by key: the session's API holds every test's artifacts, more than one page
             arts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
-                any_=["default-progress", "default-metrics", "default-eval-examples"])))
+                any_=["default-progress", "default-metrics", "default-eval-examples", "default-samples"])))
             return runs, tasks, arts
 
     # the server writes task runs in batches (flushed every second): read until the rule reward's are all there
@@ -195,7 +195,30 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     ref, val = call_runs["reference.forward_step"], call_runs["value.forward_step"]
     assert ref.start_time < val.end_time and val.start_time < ref.end_time
     keys = {a.key for a in arts}
-    assert {"default-progress", "default-metrics", "default-eval-examples"} <= keys
+    assert {"default-progress", "default-metrics", "default-eval-examples", "default-samples"} <= keys
+    # each episode's page: the 3 samples of highest and of lowest advantage, and 3 at random
+    shown = [a for a in arts if a.key == "default-samples" and a.flow_run_id == second]
+    assert len(shown) == 1 and [r["shown"] for r in json.loads(shown[0].data)] == (
+        ["highest advantage"] * 3 + ["lowest advantage"] * 3 + ["at random"] * 3)
+    # each episode a Prefect event to automate on, about the run, with its row and its checkpoints
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    def completed():
+        with get_client(sync_client=True) as client:
+            found = client.read_events(EventFilter(event=EventNameFilter(name=["chatlearn.episode.completed"]),
+                                                   resource=EventResourceFilter(id=["chatlearn.run.default"])),
+                                       limit=50).events  # the client's default, 100, is over the server's 50
+        return sorted((e for e in found if e.resource["chatlearn.run-dir"] == str(run_dir)),
+                      key=lambda e: e.payload["episode"])
+
+    deadline = time.monotonic() + 30
+    while len(events := completed()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [e.payload["episode"] for e in events] == [1, 2]
+    assert [e.payload["metrics"] for e in events] == rows
+    assert events[0].payload["checkpoint"] == {} and events[1].payload["checkpoint"] == rows[1]["checkpoint_paths"]
+    train_run = {r.id for e in events for r in e.related if r.role == "flow-run"}  # the train flow run's
+    assert [f"prefect.flow-run.{result['summary']['ui'].rsplit('/', 1)[1]}"] == list(train_run)
     # the eval hook of the default config adds exact match to the rows (an exact answer scores 1.0)
     assert rows[1]["eval_exact_match"] <= rows[1]["eval_reward_mean"]
 

@@ -337,6 +337,11 @@ class RuntimeConfig(Section):
         "rewards by name, advantage, the weight version that generated it, log-probs, ...; `chatlearn trace`): "
         "'all', 'none', or a number N: N of them drawn at random (the same N for the same seed and episode)",
     )
+    stall_factor: float = Field(
+        default=5.0, ge=0,
+        description="an episode running longer than this many times the median of the run's episodes so far (after "
+        "three) is said once on the terminal and emitted as the Prefect event chatlearn.run.stalled; 0: never",
+    )
     # -- the run directory keeps its run (not in ChatLearn, which overwrites an earlier run's results) --
     resume_with_changes: bool = Field(
         default=False,

@@ -5,7 +5,8 @@ the experiment trackers (`Trackers`), and the Prefect UI (the metrics table and 
 `commit` writes the data checkpoint record that makes the episode's model checkpoints the restart point (after
 its row, so a crash in between re-runs the episode and writes its row again: `chatlearn.checkpoint.resume`).
 `finish` writes the run's summary; `close` closes what is open, the run failed or not. An episode's samples
-go to its trace table with its row (`chatlearn.runtime.records.traces`).
+go to its trace table with its row (`chatlearn.runtime.records.traces`); its completion and a stall are Prefect
+events (`chatlearn.runtime.records.events`).
 """
 
 import json
@@ -14,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.context import FlowRunContext
 
 from chatlearn.checkpoint.data_checkpoint import DataCheckpointStore
 from chatlearn.checkpoint.resume import commit_data_checkpoint
 from chatlearn.checkpoint.run_config import record_progress
 from chatlearn.config import ChatLearnConfig
 from chatlearn.runtime.prefect import api_link
+from chatlearn.runtime.records.events import COMPLETED, STALLED, StallWatch, emit, run_resource
 from chatlearn.runtime.records.reporting import (
     EpisodeReporter,
     RunArtifacts,
@@ -59,6 +62,10 @@ class RunRecorder:
                                          description=f"episodes of {rt.exp_name}")
         self.last: dict[str, Any] = self.reporter.rows[-1] if self.reporter.rows else {}
         self.eval_before_training: float | None = None
+        run = FlowRunContext.get()
+        self.flow_run_id = str(run.flow_run.id) if run is not None and run.flow_run is not None else None
+        self.resource = run_resource(rt.exp_name, str(run_dir))
+        self.watch = StallWatch(rt.stall_factor, self._stalled, first)
 
     def before_training(self, eval_reward_mean: float) -> None:
         """The eval before training (ChatLearn 1.0.3's ``enable_eval_before_training``): said now, and kept in the
@@ -83,6 +90,17 @@ class RunRecorder:
             api_link.post(update_progress_artifact, self.progress_id, progress=100.0 * (episode + 1) / num_episode)
         api_link.post(self.artifacts.update, list(self.reporter.rows))  # the curve is drawn there too
         self.last = user_row(metrics)
+        emit(COMPLETED, self.resource, json_safe({"episode": episode + 1, "metrics": self.reporter.rows[-1],
+                                                  "checkpoint": metrics.get("checkpoint_paths") or {}}),
+             self.flow_run_id)
+        self.watch.episode_done(episode, float(metrics.get("episode_seconds") or 0.0))
+
+    def _stalled(self, episode: int, seconds: float, median: float) -> None:
+        factor = self.cfg.runtime.stall_factor
+        sys.stderr.write(f"chatlearn: warning: episode {episode + 1} has run {seconds:.0f} s, more than "
+                         f"{factor:g} times the median episode ({median:.1f} s; runtime.stall_factor)\n")
+        emit(STALLED, self.resource, {"episode": episode + 1, "seconds": seconds, "median_seconds": median,
+                                      "stall_factor": factor}, self.flow_run_id)
 
     def commit(self, metrics: dict[str, Any]) -> str:
         """Make the episode's checkpoints the run's restart point; returns the record's path."""
@@ -100,6 +118,7 @@ class RunRecorder:
     def close(self, failed: bool) -> None:
         """Close the trackers (marking their run failed or not) and the terminal's progress bar; what was posted
         to the Prefect API is sent (or dropped) now, while Ray is still up: it holds Ray handles."""
+        self.watch.close()
         self.trackers.close(failed)
         api_link.flush()
         self.reporter.close()
