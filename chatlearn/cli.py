@@ -269,11 +269,13 @@ def _pandas_width() -> Iterator[None]:
 
 
 def cmd_deploy(items: list[str], how: str, name: str | None, cron: str | None, on_overlap: str | None,
-               evaluate: bool, work_pool: str | None) -> int:
+               evaluate: bool, work_pool: str | None, alert_on: list[str] | None = None) -> int:
     """`deploy`: register on the work pool and exit; `serve`: register and run the deployment here."""
     # the flags are the config's `deployment` section, validated with it (a bad cron names deployment.cron)
     flags = {"name": name, "cron": cron, "on_overlap": on_overlap, "work_pool": work_pool}
     items = items + [f"deployment.{key}={value}" for key, value in flags.items() if value is not None]
+    if alert_on:  # the runs check them (runtime.alerts); an automation per alert pauses the deployment
+        items.append(f"runtime.alerts={json.dumps(alert_on)}")
     cfg = _load(items)
     if evaluate:
         _load(items, engine="eval")  # the eval deployment's checks too, before anything is registered
@@ -456,6 +458,11 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--evaluate", action="store_true",
                            help="also register an eval deployment that an automation starts when a run of this "
                                 "deployment completes, evaluating its final/policy")
+            p.add_argument("--alert-on", action="append", default=None, metavar="EXPR",
+                           help="an alert on each episode's metrics, 'METRIC OP NUMBER [for N episodes]', e.g. "
+                                "'reward_mean < 0.1 for 3 episodes' (runtime.alerts; may be given again): the runs "
+                                "emit the Prefect event chatlearn.alert when it holds, and an automation pauses the "
+                                "deployment")
         if name in ("train", "eval"):
             p.add_argument("--verbose", action="store_true",
                            help="also show Prefect's log lines (each flow and task run beginning and finishing) on "
@@ -500,7 +507,7 @@ def _main(argv: list[str] | None) -> int:
             return cmd_export(ns.run_dir, ns.out, ns.iteration, ns.to, ns.model, ns.force, ns.model_path)
         if ns.command in ("deploy", "serve"):
             return cmd_deploy(ns.args, ns.command, ns.name, ns.cron, ns.on_overlap, ns.evaluate,
-                              getattr(ns, "work_pool", None))
+                              getattr(ns, "work_pool", None), ns.alert_on)
         if ns.command == "train" and ns.resume_with_changes:
             ns.args = [*ns.args, "runtime.resume_with_changes=true"]
         # SIGTERM / Ctrl-C stop within seconds from here on, start-up included, with one line, leaving nothing of

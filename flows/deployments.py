@@ -15,7 +15,9 @@ What a deployment holds:
   the engine, runtime_env) are fixed when it is deployed; no run of it can change them (`flows.pins`);
 - with `--evaluate`, **an eval deployment that an automation starts when a run of this train deployment
   completes** (an event trigger on `prefect.flow-run.Completed`), evaluating that run's `final/policy`: the
-  continuous-evaluation pattern.
+  continuous-evaluation pattern;
+- with `--alert-on EXPR` (`runtime.alerts`), **an automation per alert that pauses the deployment** when one of
+  its runs emits the alert's event (`chatlearn.config.alerts`): a run whose reward collapsed stops the schedule.
 """
 
 import os
@@ -25,23 +27,27 @@ from typing import Any
 
 from prefect import Flow
 from prefect import serve as prefect_serve
+from prefect.automations import Automation
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.client.schemas.schedules import CronSchedule
 from prefect.deployments.runner import RunnerDeployment
 from prefect.deployments.runner import deploy as prefect_deploy
-from prefect.events import DeploymentEventTrigger
+from prefect.events import DeploymentEventTrigger, EventTrigger
+from prefect.events.actions import PauseDeployment
+from prefect.events.schemas.automations import Posture
 from prefect.exceptions import ObjectNotFound
 from prefect.utilities.callables import ParameterSchema
 from prefect.workers.process import ProcessWorker
 
 from chatlearn.config import ChatLearnConfig
+from chatlearn.config.alerts import ALERT, parse_alert
 from flows import pins
 from flows.eval_flow import eval_flow
 from flows.train_flow import train_flow
 
-__all__ = ["DeploymentSpec", "deploy", "deployment_spec", "eval_trigger", "serve"]
+__all__ = ["DeploymentSpec", "alert_automation", "deploy", "deployment_spec", "eval_trigger", "serve"]
 
 TRAIN_FLOW = "chatlearn-train"
 EVAL_FLOW = "chatlearn-eval"
@@ -119,6 +125,23 @@ def eval_trigger(train_deployment_id: Any) -> DeploymentEventTrigger:
     )
 
 
+def alert_automation(deployment_id: Any, deployment_name: str, text: str) -> Automation:
+    """An automation that pauses the deployment when one of its runs emits alert ``text``'s event (registered
+    again, it replaces the one of the same name)."""
+    alert = parse_alert(text)
+    name = f"{deployment_name}: pause when {alert.text}"
+    for old in get_client(sync_client=True).read_automations_by_name(name=name):
+        Automation(**old.model_dump()).delete()
+    return Automation(
+        name=name, description=f"runtime.alerts of {deployment_name} (chatlearn deploy --alert-on)",
+        trigger=EventTrigger(expect={ALERT}, match={"prefect.resource.id": "chatlearn.alert.*",
+                                                    "chatlearn.alert": alert.text},
+                             match_related={"prefect.resource.id": f"prefect.deployment.{deployment_id}"},
+                             posture=Posture.Reactive, threshold=1),
+        actions=[PauseDeployment(source="selected", deployment_id=deployment_id)],
+    ).create()
+
+
 # Job variables of Prefect's process work pool that let a run's parameters choose what the worker executes (its
 # shell command, its environment, its directory): left out of the pool chatlearn creates, so a run started from
 # the UI or the API cannot run a command of its choice. The worker's own environment still reaches its runs.
@@ -186,6 +209,8 @@ def deploy(cfg: ChatLearnConfig, spec: DeploymentSpec, evaluate: bool = False) -
     ids = {train_name: register(train_name, _source("train_flow").to_deployment(
         name=spec.name, concurrency_limit=spec.concurrency(), **spec.schedule_kwargs(),
         description=f"train {cfg.runtime.exp_name}: the run form is the config", **common))}
+    for text in cfg.runtime.alerts:
+        alert_automation(ids[train_name], train_name, text)
     if evaluate:
         eval_name = f"{EVAL_FLOW}/{spec.eval_name}"
         ids[eval_name] = register(eval_name, _source("eval_flow").to_deployment(
@@ -203,6 +228,8 @@ def serve(cfg: ChatLearnConfig, spec: DeploymentSpec, evaluate: bool = False) ->
                                              **spec.schedule_kwargs()), cfg)
     train_id = train.apply()
     pins.record(train_id, f"{TRAIN_FLOW}/{spec.name}", cfg)
+    for text in cfg.runtime.alerts:
+        alert_automation(train_id, f"{TRAIN_FLOW}/{spec.name}", text)
     deployments = [train]
     if evaluate:
         evaluation = _pinned(eval_flow.to_deployment(name=spec.eval_name, parameters=params, tags=["chatlearn"],

@@ -134,6 +134,7 @@ DECLARED_EXTRAS = {
         "stage_timeout_s": 3600.0,
         "trace_samples": "all",  # each episode's samples in run_dir/traces (issue 47; ChatLearn keeps none)
         "stall_factor": 5.0,  # the Prefect event chatlearn.run.stalled (issue 47)
+        "alerts": [],  # conditions on the metrics, the Prefect event chatlearn.alert (issue 47)
         "resume_with_changes": False,
     },
     ModelConfig: {

@@ -165,7 +165,9 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
 
     # 2. `chatlearn deploy`: the config is the form, with its schedule and an eval triggered on completion
     (tmp_path / "tiny.yaml").write_text(TINY.format(repo=REPO))
-    deployed = _cli(stack, "deploy", "tiny.yaml", "--cron", "0 3 * * *", "--name", "tiny", "--evaluate", cwd=tmp_path)
+    # an alert every run meets (rewards are >= 0): its automation pauses the deployment after the first episode
+    deployed = _cli(stack, "deploy", "tiny.yaml", "--cron", "0 3 * * *", "--name", "tiny", "--evaluate",
+                    "--alert-on", "reward_mean > -1", cwd=tmp_path)
     out = deployed.stdout
     assert f"deployed chatlearn-train/tiny: {stack['ui']}/deployments/deployment/" in out
     assert "pinned: the engine, hooks, module classes and runtime_env" in out
@@ -176,6 +178,8 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
         assert [s.schedule.cron for s in dep.schedules] == ["0 3 * * *"]
         form = dep.parameters["config"]
         assert form["runtime"]["output_dir"] == str(tmp_path / "out" / "tiny")  # written where the config says
+        assert form["runtime"]["alerts"] == ["reward_mean > -1"] and not dep.paused
+        assert len(client.read_automations_by_name("chatlearn-train/tiny: pause when reward_mean > -1")) == 1
         schema = dep.parameter_openapi_schema
         num_episode = schema["definitions"]["RuntimeConfig"]["properties"]["num_episode"]
         assert num_episode["description"].startswith("[required] number of episodes")
@@ -222,6 +226,12 @@ def test_deploy_form_overlap_trigger_artifacts_and_browser(stack, tmp_path):
     states = sorted(r.state.type.value for r in runs)
     assert states == ["CANCELLED", "COMPLETED"], [(r.state.type.value, r.state.message) for r in runs]
     done = next(r for r in runs if r.state.type.value == "COMPLETED")
+    # the run said its alert (the Prefect event chatlearn.alert): the automation paused the deployment
+    deadline = time.time() + 60
+    with _client(stack) as client:
+        while not client.read_deployment(dep.id).paused and time.time() < deadline:
+            time.sleep(0.5)
+        assert client.read_deployment(dep.id).paused
     # each run of a deployment writes its own run directory inside the config's (output_dir/exp_name):
     # <deployment>-<scheduled time, UTC> (deployment.runs: separate, the default)
     stamp = done.expected_start_time.astimezone(UTC).strftime("%Y%m%d-%H%M%S")

@@ -169,3 +169,65 @@ def test_a_stalled_run_is_an_event_on_the_api(prefect_api, tmp_path):
             time.sleep(0.5)
     assert len(found) == 1 and found[0].payload["episode"] == 7
     assert found[0].resource["chatlearn.run-dir"] == str(tmp_path)
+
+
+def test_an_alert_fires_once_per_streak_of_rows_that_meet_it_and_a_resume_counts_on():
+    from chatlearn.config.alerts import Alerts, parse_alert
+
+    alert = parse_alert(" reward_mean < 0.1 for 3 episodes ")
+    assert (alert.metric, alert.op, alert.value, alert.episodes, alert.text) == (
+        "reward_mean", "<", 0.1, 3, "reward_mean < 0.1 for 3 episodes")
+    assert alert.slug == "reward-mean-lt-0.1-for-3" and parse_alert("eval_reward_mean>=1e-2").episodes == 1
+    for bad in ("reward mean < 0.1", "reward_mean ~ 1", "reward_mean < x", "reward_mean < 1 for 0 episodes"):
+        with pytest.raises(ValueError, match="is not an alert: METRIC OP NUMBER"):
+            parse_alert(bad)
+    rewards = [0.5, 0.05, 0.02, None, 0.01, 0.0, 0.3, 0.05, 0.05, 0.05]  # None: a row without the metric
+    rows = [{"episode": e + 1, **({"reward_mean": r} if r is not None else {})} for e, r in enumerate(rewards)]
+    alerts = Alerts(["reward_mean < 0.1 for 3 episodes", "eval_reward_mean > 0.9"])
+    fired = {row["episode"]: [(a.text, eps) for a, eps in alerts.update(row)] for row in rows}
+    assert {e: f for e, f in fired.items() if f} == {
+        5: [("reward_mean < 0.1 for 3 episodes", [2, 3, 4, 5])],  # episode 4 had no reward_mean: neither way
+        10: [("reward_mean < 0.1 for 3 episodes", [8, 9, 10])]}  # once per streak, again after 0.3 broke it
+    resumed = Alerts(["reward_mean < 0.1 for 3 episodes"])
+    for row in rows[:8]:  # the rows a resumed run keeps, replayed
+        resumed.update(row)
+    assert [(a.text, eps) for a, eps in resumed.update(rows[8])] == []
+    assert [(a.text, eps) for a, eps in resumed.update(rows[9])] == [("reward_mean < 0.1 for 3 episodes", [8, 9, 10])]
+
+
+@pytest.mark.integration
+def test_an_alert_automation_pauses_its_deployment_when_a_run_of_it_emits_the_alert(prefect_api, tmp_path):
+    import time
+    import uuid
+
+    from prefect import flow, get_client
+
+    from chatlearn.config.alerts import ALERT, parse_alert
+    from chatlearn.runtime.records.events import emit
+    from flows.deployments import alert_automation
+
+    @flow(name="alerting")
+    def alerting() -> None:
+        pass
+
+    name = f"alert-{uuid.uuid4().hex[:8]}"
+    dep_id = alerting.to_deployment(name=name).apply()
+    automation = alert_automation(dep_id, f"alerting/{name}", "reward_mean < 0.1 for 3 episodes")
+    assert alert_automation(dep_id, f"alerting/{name}", "reward_mean < 0.1 for 3 episodes").id != automation.id
+    with get_client(sync_client=True) as client:  # registered again: replaced, not doubled
+        named = f"alerting/{name}: pause when reward_mean < 0.1 for 3 episodes"
+        assert len(client.read_automations_by_name(named)) == 1
+        alert = parse_alert("reward_mean < 0.1 for 3 episodes")
+        # another deployment's run with the same alert: not this deployment's business
+        emit(ALERT, {"prefect.resource.id": f"chatlearn.alert.x.{alert.slug}", "chatlearn.alert": alert.text},
+             {"alert": alert.text}, [{"prefect.resource.id": f"prefect.deployment.{uuid.uuid4()}",
+                                      "prefect.resource.role": "deployment"}])
+        time.sleep(3)
+        assert not client.read_deployment(dep_id).paused
+        emit(ALERT, {"prefect.resource.id": f"chatlearn.alert.x.{alert.slug}", "chatlearn.alert": alert.text},
+             {"alert": alert.text}, [{"prefect.resource.id": f"prefect.deployment.{dep_id}",
+                                      "prefect.resource.role": "deployment"}])
+        deadline = time.monotonic() + 60
+        while not client.read_deployment(dep_id).paused and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert client.read_deployment(dep_id).paused

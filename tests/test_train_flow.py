@@ -52,7 +52,7 @@ def rewards_in_process(cfg, evaluation=False):
     return scores, exact
 
 
-def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, tmp_path, monkeypatch):
+def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, tmp_path, monkeypatch, capsys):
     """The embedded default as a YAML path, shortened to 2 episodes through its ${num_episode:20} variable;
     then the eval flow on the policy it exported."""
     from prefect import get_client
@@ -86,7 +86,9 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     monkeypatch.setattr(root, "check_sections", count("config", sections))
     monkeypatch.setattr(EngineChecks, "__call__", count("engine", engine_call))
     started = datetime.now(UTC)  # the session's Prefect API holds other tests' episode runs too
-    result = train_flow(os.path.join(REPO, "configs", "default.yaml"))
+    # an alert that holds from the start: it fires once, after episode 2
+    result = train_flow(os.path.join(REPO, "configs", "default.yaml"),
+                        overrides=["runtime.alerts=['reward_mean > -1 for 2 episodes']"])
     assert calls == {"config": 1, "engine": 1}
     monkeypatch.setattr(root, "check_sections", sections)
     monkeypatch.setattr(EngineChecks, "__call__", engine_call)
@@ -219,6 +221,19 @@ def test_two_episodes_of_the_default(prefect_api, ray_session, tiny_model_dir, t
     assert events[0].payload["checkpoint"] == {} and events[1].payload["checkpoint"] == rows[1]["checkpoint_paths"]
     train_run = {r.id for e in events for r in e.related if r.role == "flow-run"}  # the train flow run's
     assert [f"prefect.flow-run.{result['summary']['ui'].rsplit('/', 1)[1]}"] == list(train_run)
+    assert "chatlearn: alert: reward_mean > -1 for 2 episodes (episodes 1-2: " in capsys.readouterr().err
+    deadline = time.monotonic() + 30
+    while True:
+        with get_client(sync_client=True) as client:
+            alerts = [e for e in client.read_events(EventFilter(event=EventNameFilter(name=["chatlearn.alert"])),
+                                                    limit=50).events if e.resource["chatlearn.run-dir"] == str(run_dir)]
+        if alerts or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(alerts) == 1 and alerts[0].payload["episodes"] == [1, 2]
+    assert alerts[0].resource.id == "chatlearn.alert.default.reward-mean-gt--1-for-2"
+    roles = {r.role for r in alerts[0].related}  # Prefect adds the flow's own
+    assert {"run", "flow-run"} <= roles and "deployment" not in roles  # no deployment started this run
     # the eval hook of the default config adds exact match to the rows (an exact answer scores 1.0)
     assert rows[1]["eval_exact_match"] <= rows[1]["eval_reward_mean"]
 

@@ -45,8 +45,8 @@ FREE_FIELDS = (
     "runtime.load_data_checkpoint_iteration",
     "runtime.resume_with_changes", "runtime.data_checkpoint_path", "runtime.output_dir", "runtime.exp_name",
     # diagnostics, fault handling, speed of setup and sync
-    "runtime.debug", "runtime.trace_samples", "runtime.stall_factor", "runtime.nsys", "runtime.profiler_dir",
-    "runtime.max_restarts", "runtime.stage_timeout_s",
+    "runtime.debug", "runtime.trace_samples", "runtime.stall_factor", "runtime.alerts", "runtime.nsys",
+    "runtime.profiler_dir", "runtime.max_restarts", "runtime.stage_timeout_s",
     "runtime.concurrent_setup", "runtime.concurrent_comm", "runtime.param_sync_comm_type",
     "runtime.param_sync_max_workers", "runtime.coalesce_param", "runtime.coalesced_buffer_mb",
     "runtime.bucket_size_mb_in_memory_manager", "runtime.free_sync_collective_group",

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from chatlearn.config.alerts import parse_alert
 from chatlearn.config.sections import Section
 
 __all__ = [
@@ -342,6 +343,13 @@ class RuntimeConfig(Section):
         description="an episode running longer than this many times the median of the run's episodes so far (after "
         "three) is said once on the terminal and emitted as the Prefect event chatlearn.run.stalled; 0: never",
     )
+    alerts: list[str] = Field(
+        default_factory=list,
+        description="conditions on each episode's metrics, 'METRIC OP NUMBER [for N episodes]' (e.g. 'reward_mean < "
+        "0.1 for 3 episodes'): met N episodes in a row, one is said on the terminal and emitted as the Prefect "
+        "event chatlearn.alert, for automations (chatlearn deploy --alert-on registers one that pauses the "
+        "deployment)",
+    )
     # -- the run directory keeps its run (not in ChatLearn, which overwrites an earlier run's results) --
     resume_with_changes: bool = Field(
         default=False,
@@ -383,6 +391,13 @@ class RuntimeConfig(Section):
             value = int(value)
         if isinstance(value, int) and value < 0 or isinstance(value, str) and value not in ("all", "none"):
             raise ValueError(f"trace_samples is 'all', 'none' or a number of samples >= 0, not {value!r}")
+        return value
+
+    @field_validator("alerts", mode="after")
+    @classmethod
+    def _alerts(cls, value: list[str]) -> list[str]:
+        for text in value:
+            parse_alert(text)
         return value
 
     @field_validator("task_type", mode="after")

@@ -6,8 +6,8 @@
   median of the run's episodes so far (after three of them), while it is still running (`StallWatch`).
 
 Their resource is the run, ``chatlearn.run.<exp_name>`` (a deployment's runs: ``chatlearn.run.<deployment>-*``),
-labelled with its run directory; the train flow run is a related resource. They go through the run's API link,
-so an API that is away costs them, never the run (`chatlearn.runtime.prefect.api_link`).
+labelled with its run directory; the train flow run and its deployment are related resources. They go through
+the run's API link, so an API that is away costs them, never the run (`chatlearn.runtime.prefect.api_link`).
 """
 
 import os
@@ -21,7 +21,7 @@ from prefect.events import emit_event
 
 from chatlearn.runtime.prefect import api_link
 
-__all__ = ["COMPLETED", "STALLED", "StallWatch", "emit", "run_resource"]
+__all__ = ["COMPLETED", "STALLED", "StallWatch", "emit", "related_runs", "run_resource"]
 
 COMPLETED = "chatlearn.episode.completed"
 STALLED = "chatlearn.run.stalled"
@@ -32,10 +32,20 @@ def run_resource(exp_name: str, run_dir: str) -> dict[str, str]:
             "chatlearn.run-dir": os.path.abspath(run_dir)}
 
 
-def emit(event: str, resource: dict[str, str], payload: dict[str, Any], flow_run_id: str | None) -> None:
-    """``event`` about the run, sent in the background; the train flow run related to it."""
-    related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run_id}", "prefect.resource.role": "flow-run"}] \
-        if flow_run_id else []
+def related_runs(flow_run: Any) -> list[dict[str, str]]:
+    """The resources an event of the run names as related: its train flow run (``flow_run``, None outside one)
+    and the deployment that started it, if one did (what an automation of that deployment matches)."""
+    if flow_run is None:
+        return []
+    related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}]
+    if getattr(flow_run, "deployment_id", None):
+        related.append({"prefect.resource.id": f"prefect.deployment.{flow_run.deployment_id}",
+                        "prefect.resource.role": "deployment"})
+    return related
+
+
+def emit(event: str, resource: dict[str, str], payload: dict[str, Any], related: list[dict[str, str]]) -> None:
+    """``event`` about ``resource``, sent in the background."""
     api_link.post(emit_event, event=event, resource=resource, payload=payload, related=related)
 
 

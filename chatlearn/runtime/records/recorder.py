@@ -21,8 +21,9 @@ from chatlearn.checkpoint.data_checkpoint import DataCheckpointStore
 from chatlearn.checkpoint.resume import commit_data_checkpoint
 from chatlearn.checkpoint.run_config import record_progress
 from chatlearn.config import ChatLearnConfig
+from chatlearn.config.alerts import ALERT, Alerts
 from chatlearn.runtime.prefect import api_link
-from chatlearn.runtime.records.events import COMPLETED, STALLED, StallWatch, emit, run_resource
+from chatlearn.runtime.records.events import COMPLETED, STALLED, StallWatch, emit, related_runs, run_resource
 from chatlearn.runtime.records.reporting import (
     EpisodeReporter,
     RunArtifacts,
@@ -63,9 +64,12 @@ class RunRecorder:
         self.last: dict[str, Any] = self.reporter.rows[-1] if self.reporter.rows else {}
         self.eval_before_training: float | None = None
         run = FlowRunContext.get()
-        self.flow_run_id = str(run.flow_run.id) if run is not None and run.flow_run is not None else None
         self.resource = run_resource(rt.exp_name, str(run_dir))
+        self.related = related_runs(run.flow_run if run is not None else None)
         self.watch = StallWatch(rt.stall_factor, self._stalled, first)
+        self.alerts = Alerts(rt.alerts)
+        for row in self.reporter.rows:  # a resumed run: where each alert's count stood (they fired back then)
+            self.alerts.update(row)
 
     def before_training(self, eval_reward_mean: float) -> None:
         """The eval before training (ChatLearn 1.0.3's ``enable_eval_before_training``): said now, and kept in the
@@ -90,17 +94,27 @@ class RunRecorder:
             api_link.post(update_progress_artifact, self.progress_id, progress=100.0 * (episode + 1) / num_episode)
         api_link.post(self.artifacts.update, list(self.reporter.rows))  # the curve is drawn there too
         self.last = user_row(metrics)
-        emit(COMPLETED, self.resource, json_safe({"episode": episode + 1, "metrics": self.reporter.rows[-1],
+        row = self.reporter.rows[-1]
+        emit(COMPLETED, self.resource, json_safe({"episode": episode + 1, "metrics": row,
                                                   "checkpoint": metrics.get("checkpoint_paths") or {}}),
-             self.flow_run_id)
+             self.related)
         self.watch.episode_done(episode, float(metrics.get("episode_seconds") or 0.0))
+        for alert, episodes in self.alerts.update(row):
+            values = [r.get(alert.metric) for r in self.reporter.rows if r["episode"] in episodes]
+            sys.stderr.write(f"chatlearn: alert: {alert.text} (episodes {episodes[0]}-{episodes[-1]}: "
+                             f"{', '.join(f'{v:.4g}' for v in values if v is not None)})\n")
+            resource = {"prefect.resource.id": f"chatlearn.alert.{self.cfg.runtime.exp_name}.{alert.slug}",
+                        "prefect.resource.name": alert.text, "chatlearn.alert": alert.text,
+                        "chatlearn.run-dir": self.resource["chatlearn.run-dir"]}
+            emit(ALERT, resource, json_safe({"alert": alert.text, "episodes": episodes, "values": values}),
+                 [{**self.resource, "prefect.resource.role": "run"}, *self.related])
 
     def _stalled(self, episode: int, seconds: float, median: float) -> None:
         factor = self.cfg.runtime.stall_factor
         sys.stderr.write(f"chatlearn: warning: episode {episode + 1} has run {seconds:.0f} s, more than "
                          f"{factor:g} times the median episode ({median:.1f} s; runtime.stall_factor)\n")
         emit(STALLED, self.resource, {"episode": episode + 1, "seconds": seconds, "median_seconds": median,
-                                      "stall_factor": factor}, self.flow_run_id)
+                                      "stall_factor": factor}, self.related)
 
     def commit(self, metrics: dict[str, Any]) -> str:
         """Make the episode's checkpoints the run's restart point; returns the record's path."""
