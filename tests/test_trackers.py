@@ -23,6 +23,13 @@ def rows(episodes):
              "checkpoint_paths": ["a"]} for e in episodes]
 
 
+def samples(episode):
+    """An episode's trace rows, as the StreamDataset makes them (`chatlearn.runtime.records.traces.trace_rows`)."""
+    return [{"episode": episode, "sample_id": 4 * episode + i, "group_id": episode, "prompt": "max 1 | 2 ?",
+             "response": str(i), "reward": float(i % 2), "advantage": i - 1.5, "policy_version": episode - 1,
+             "staleness": 0, "trained": True} for i in range(4)]
+
+
 def tracker_config(tmp_path, *overrides):
     return load_config(None, [f"runtime.output_dir={tmp_path}", "runtime.exp_name=tracked",
                               "runtime.log_args_dict.enable_tensorboard=true", *overrides])
@@ -137,14 +144,14 @@ def test_three_trackers_get_every_episode_and_a_resume_continues_their_runs(tmp_
     assert set(first.links) == {"tensorboard", "wandb", "mlflow"}
     assert first.links["mlflow"].startswith(f"{mlflow_server}/#/experiments/")
     for row in rows([1, 2]):
-        first.log(row)
+        first.log(row, samples(row["episode"]))
     first.close(failed=True)  # the crash
     state = json.loads((run_dir / STATE_FILE).read_text())
     assert state["wandb_step"] == state["mlflow_step"] == state["tensorboard_step"] == 2
 
     again = Trackers.open(cfg, run_dir, first_episode=1)  # resumes from the checkpoint of episode 1
     for row in rows([2, 3]):
-        again.log(row)
+        again.log(row, samples(row["episode"]))
     again.close()
     assert json.loads((run_dir / STATE_FILE).read_text())["wandb_id"] == state["wandb_id"]
 
@@ -166,6 +173,22 @@ def test_three_trackers_get_every_episode_and_a_resume_continues_their_runs(tmp_
     got = client.get_metric_history(run.info.run_id, "reward_mean")
     assert sorted((m.step, m.value) for m in got) == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "stage_seconds/train")] == [1, 2, 3]
+
+    # each episode's samples: an MLflow table artifact, a wandb Table, a TensorBoard text table (issue 47)
+    tables = sorted(f.path for f in client.list_artifacts(run.info.run_id, "traces"))
+    assert tables == [f"traces/episode_{e:06d}.json" for e in (1, 2, 3)]
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, tables[2], str(tmp_path))).read_text())
+    assert table["columns"][:3] == ["episode", "sample_id", "group_id"] and len(table["data"]) == 4
+    assert [h["samples/_type"] for h in history] == ["table-file"] * 3 and history[2]["samples/nrows"] == 4
+    # (read as TensorBoard's UI reads text; the resumed run does not write episode 2's again: text is not purged)
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = acc.Tensors("samples/text_summary")
+    assert [t.step for t in texts] == [1, 2, 3]
+    assert "highest advantage" in texts[2].tensor_proto.string_val[0].decode()
+    assert "max 1 \\| 2 ?" in texts[2].tensor_proto.string_val[0].decode()  # a cell's | kept out of the columns
 
 
 def test_a_tracker_that_cannot_start_or_fails_costs_one_warning(tmp_path, caplog, monkeypatch):

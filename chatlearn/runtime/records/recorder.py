@@ -88,7 +88,7 @@ class RunRecorder:
         if trace is not None and self.cfg.runtime.trace_samples != "none":  # its size: what a trace costs on disk
             metrics["trace_bytes"] = write_trace(self.run_dir, episode, trace)
         self.reporter.record(metrics)
-        self.trackers.log(self.reporter.rows[-1])
+        self.trackers.log(self.reporter.rows[-1], trace)
         num_episode = self.cfg.runtime.num_episode
         if self.progress_id is not None:
             api_link.post(update_progress_artifact, self.progress_id, progress=100.0 * (episode + 1) / num_episode)

@@ -1,6 +1,7 @@
 """Experiment trackers (`runtime.log_args_dict`): TensorBoard, Weights & Biases and MLflow get every per-episode
 metric, with the episode (counted from 1, as on the terminal and in the UI) as the step, and the resolved config
-as the run's parameters.
+as the run's parameters; and each episode's samples (`runtime.trace_samples`): a wandb Table, an MLflow table
+artifact (``traces/episode_NNNNNN.json``), a TensorBoard text table of the ones that explain the episode.
 
 Trackers never cost the training: one that is enabled but not installed (they are the package's `trackers`
 extra), unreachable, or that fails at any point costs one warning and is left out for the rest of the run.
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 from chatlearn.config import ChatLearnConfig
 from chatlearn.config.runtime import LogArgsConfig
+from chatlearn.runtime.records.traces import explaining
 
 STATE_FILE = "trackers.json"
 # MLflow's limits per request and per parameter value
@@ -64,6 +66,8 @@ class _Tracker(Protocol):
 
     def log(self, step: int, values: dict[str, float]) -> None: ...
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
+
     def close(self, failed: bool) -> None: ...
 
 
@@ -99,6 +103,7 @@ class _TensorBoard:
         path = Path(logs.tensorboard_dir or log_dir / "tensorboard")
         # purge_step: a resumed run's re-run episodes replace what the crashed run wrote for them
         self.writer = SummaryWriter(log_dir=str(path), purge_step=first_step if first_step > 1 else None)
+        self.seed = int(config.get("runtime", {}).get("seed", 0))
         if first_step <= 1:
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```", 0)
         self.link = f"tensorboard --logdir {path}"
@@ -106,6 +111,16 @@ class _TensorBoard:
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """The samples that explain the episode, as a text table (TensorBoard's TEXT tab renders markdown)."""
+        shown = explaining(rows, self.seed)
+        cols = list(shown[0]) if shown else []
+        cell = (lambda v: str(v).replace("|", "\\|").replace("\n", " "))  # noqa: E731
+        table = "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+                            *("| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in shown)])
+        self.writer.add_text("samples", table, step)
         self.writer.flush()
 
     def close(self, failed: bool) -> None:
@@ -135,6 +150,14 @@ class _Wandb:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Every sample of the episode, as a wandb Table at its step."""
+        import wandb  # imported when the tracker started
+
+        cols = _columns(rows)
+        self.run.log({"samples": wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])},
+                     step=step)
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -186,8 +209,19 @@ class _Mlflow:
         for i in range(0, len(metrics), _MLFLOW_BATCH_METRICS):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_BATCH_METRICS])
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Every sample of the episode, as a table artifact of the run (MLflow's log_table)."""
+        cols = _columns(rows)
+        self.client.log_table(self.run_id, data={c: [r.get(c) for r in rows] for c in cols},
+                              artifact_file=f"traces/episode_{step:06d}.json")
+
     def close(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    """Every column of the rows, in the order they first appear."""
+    return list(dict.fromkeys(k for r in rows for k in r))
 
 
 class Trackers:
@@ -224,17 +258,21 @@ class Trackers:
         """Where to look at each tracker's run (a URL, or the command that opens it)."""
         return {t.name: t.link for t in self.trackers}
 
-    def log(self, row: dict[str, Any]) -> None:
-        """One episode's row (`metrics.jsonl`'s), its episode (from 1) the step; steps a tracker already has are
-        skipped."""
+    def log(self, row: dict[str, Any], samples: list[dict[str, Any]] | None = None) -> None:
+        """One episode's row (`metrics.jsonl`'s), its episode (from 1) the step, and its trace rows
+        (`chatlearn.runtime.records.traces`: a table to the trackers that take tables); steps a tracker already
+        has are skipped."""
         step = int(row["episode"])
         values = scalars(row)
         for tracker in list(self.trackers):
             key = f"{tracker.name}_step"
-            if tracker.name != "tensorboard" and step <= self.state.get(key, 0):
-                continue  # logged by the run this one resumes, with the same values
+            logged = step <= self.state.get(key, 0)  # by the run this one resumes, with the same values
+            if tracker.name != "tensorboard" and logged:
+                continue
             try:
                 tracker.log(step, values)
+                if samples and not logged:  # TensorBoard's purge_step drops scalars logged again, not its text
+                    tracker.samples(step, samples)
                 self.state[key] = step
             except Exception as exc:  # noqa: BLE001
                 _warn(tracker.name, f"failed at episode {step}", exc)
