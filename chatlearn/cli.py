@@ -222,7 +222,7 @@ TRACE_COLUMNS = ("episode", "sample_id", "group_id", "reward", "advantage", "pol
 
 
 def cmd_trace(run_dir: str, episode: int | None, where: str | None, columns: str | None, out: str | None,
-              limit: int) -> int:
+              limit: int, sort: str | None = None, reverse: bool = False) -> int:
     from chatlearn.runtime.records.traces import TRACE_DIR, read_traces  # lazy, as above
 
     if not os.path.isdir(run_dir):
@@ -237,6 +237,10 @@ def cmd_trace(run_dir: str, episode: int | None, where: str | None, columns: str
         except Exception as exc:  # pandas' own error names what it could not read
             raise UserError(f"--where {where!r}: {type(exc).__name__}: {exc} (columns: "
                             f"{', '.join(table.columns)})") from exc
+    if sort:
+        if sort not in table.columns:
+            raise UserError(f"--sort: no column {sort} (columns: {', '.join(table.columns)})")
+        table = table.sort_values(sort, ascending=not reverse, kind="stable")
     if columns:
         wanted = [c.strip() for c in columns.split(",") if c.strip()]
         missing = [c for c in wanted if c not in table.columns]
@@ -372,7 +376,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
                       "http://127.0.0.1:8765"),
     "trace": ("print or write the samples a run kept (runtime.trace_samples): prompt, response, rewards, "
               "advantage, the weights version that generated each, log-probs",
-              "chatlearn trace output/grpo --episode 12 --where 'advantage > 0.5'"),
+              "chatlearn trace output/grpo --episode 12 --sort advantage --reverse --limit 5"),
     "export": ("write a checkpoint iteration of a run as a Hugging Face model (LoRA merged into the base) or, for "
                "a LoRA run, as a peft adapter, with the tokenizer and a model card (README.md: the config and that "
                "iteration's metrics)",
@@ -436,6 +440,8 @@ def _parser() -> argparse.ArgumentParser:
                                                            "advantage, version, prompt and response)")
             p.add_argument("--out", default=None, help="write every matching row, all columns unless --columns, "
                                                        "to a .parquet, .csv or .jsonl file")
+            p.add_argument("--sort", default=None, metavar="COLUMN", help="rows in the order of this column")
+            p.add_argument("--reverse", action="store_true", help="with --sort: largest first")
             p.add_argument("--limit", type=int, default=20, help="rows printed (default 20)")
             continue
         if name == "plan":
@@ -502,7 +508,7 @@ def _main(argv: list[str] | None) -> int:
         if ns.command == "reward-server":
             return cmd_reward_server(ns.model_path, ns.host, ns.port, ns.batch_size, ns.dtype, ns.device)
         if ns.command == "trace":
-            return cmd_trace(ns.run_dir, ns.episode, ns.where, ns.columns, ns.out, ns.limit)
+            return cmd_trace(ns.run_dir, ns.episode, ns.where, ns.columns, ns.out, ns.limit, ns.sort, ns.reverse)
         if ns.command == "export":
             return cmd_export(ns.run_dir, ns.out, ns.iteration, ns.to, ns.model, ns.force, ns.model_path)
         if ns.command in ("deploy", "serve"):

@@ -79,6 +79,11 @@ def test_chatlearn_trace_prints_filters_and_writes_the_rows(tmp_path, capsys):
                  "--out", str(out)]) == 0
     assert [json.loads(line) for line in out.read_text().splitlines()] == [
         {"episode": e, "sample_id": i, "advantage": 2.0 * (i + 1)} for e in (1, 2) for i in (3, 4, 5)]
+    # which responses got the highest advantage in episode 2, and which weights generated them
+    assert main(["trace", str(run), "--episode", "2", "--sort", "advantage", "--reverse", "--limit", "2",
+                 "--columns", "sample_id,advantage,policy_version,response"]) == 0
+    assert [line.split() for line in capsys.readouterr().out.splitlines()] == [
+        ["sample_id", "advantage", "policy_version", "response"], ["5", "12.0", "1", "5"], ["4", "10.0", "1", "4"]]
     assert main(["trace", str(run), "--limit", "3"]) == 0
     shown = capsys.readouterr()
     assert len(shown.out.splitlines()) == 4 and "(12 samples; the first 3 shown" in shown.err
@@ -91,6 +96,7 @@ def test_chatlearn_trace_prints_filters_and_writes_the_rows(tmp_path, capsys):
     (["--columns", "reward,nope"], "--columns: no column nope (columns: episode, sample_id,"),
     (["--episode", "9"], "keeps no samples of episode 9 (its traces/ folder: runtime.trace_samples)"),
     (["--out", "x.txt"], "--out x.txt: .parquet, .csv or .jsonl"),
+    (["--sort", "advantag"], "--sort: no column advantag (columns: episode,"),
 ])
 def test_what_chatlearn_trace_cannot_do_is_one_line(tmp_path, capsys, args, said):
     write_trace(tmp_path, 0, trace_rows([sample(0, 1.0)], [0], 0, "all", 0))
