@@ -193,3 +193,29 @@ def test_the_terminal_drops_prefects_outage_records_and_its_event_sockets_compla
     link.down()
     assert not terminal.filter(record("prefect.events.clients"))  # once the API went away
     assert terminal.filter(record("chatlearn"))
+
+
+def test_a_ray_task_worker_started_while_the_api_is_away_runs_its_task():
+    """A rule-reward task's worker checks the API's version when it first hydrates its settings: started while
+    the server is gone (SIGKILLed, not back yet), it goes on without the check, as the run goes on without the
+    API (tests/test_resume.py's third start once failed here); any other failure of the check still raises."""
+    import socket
+
+    from prefect.context import serialize_context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from chatlearn.runtime.prefect import ray_tasks
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{port}/api"}):
+        serialized = serialize_context()["settings_context"]
+    try:
+        settings, client = ray_tasks._worker_prefect("api-away", serialized)
+        assert settings.settings.api.url == f"http://127.0.0.1:{port}/api"
+        assert ray_tasks._worker_prefect("api-away", serialized)[1] is client  # kept for the next task
+    finally:
+        for _, old in ray_tasks._WORKER.values():
+            old.client.__exit__(None, None, None)
+        ray_tasks._WORKER.clear()

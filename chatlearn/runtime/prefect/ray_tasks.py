@@ -39,6 +39,8 @@ from prefect_ray import RayTaskRunner
 from prefect_ray.context import RemoteOptionsContext
 from prefect_ray.task_runners import PrefectRayFuture
 
+from chatlearn.runtime.prefect.api_link import unreachable
+
 _LOCK = threading.Lock()
 
 
@@ -111,7 +113,13 @@ def _worker_prefect(key: str, serialized: dict[str, Any]) -> tuple[SettingsConte
             client = SyncClientContext()
             client.client.__enter__()
             if settings.settings.client.server_version_check_enabled:
-                client.client.raise_for_api_version_mismatch_once()
+                try:
+                    client.client.raise_for_api_version_mismatch_once()
+                except RuntimeError as exc:  # "Failed to reach API": the API is away (a server SIGKILLed, ...)
+                    # the task's records are events, which wait or are dropped while it is away; the run goes
+                    # on without it (`api_link`), so the task does too (the driver checked the version at start)
+                    if not unreachable(exc):
+                        raise
         _WORKER[key] = (settings, client)
     return _WORKER[key]
 
