@@ -237,3 +237,10 @@ def test_an_alert_automation_pauses_its_deployment_when_a_run_of_it_emits_the_al
         while not client.read_deployment(dep_id).paused and time.monotonic() < deadline:
             time.sleep(0.5)
         assert client.read_deployment(dep_id).paused
+
+
+def test_the_ui_shows_floats_to_four_digits_and_the_table_keeps_them_whole(tmp_path):
+    from chatlearn.runtime.records.traces import explaining
+
+    rows = trace_rows([sample(i, 1 / 3) for i in range(2)], range(2), 0, "all", 0)
+    assert explaining(rows, seed=0)[0]["reward"] == 0.3333 and rows[0]["reward"] == pytest.approx(1 / 3, abs=1e-7)

@@ -83,7 +83,7 @@ SHOWN = ("sample_id", "reward", "advantage", "policy_version", "staleness", "pro
 def explaining(rows: list[dict[str, Any]], seed: int, k: int = 3, width: int = 200) -> list[dict[str, Any]]:
     """The samples that explain an episode, for its page in the UI: the ``k`` of highest and of lowest advantage
     (reward without one), then ``k`` others at random (the same for the same ``seed`` and episode); texts cut to
-    ``width`` characters."""
+    ``width`` characters, floats to 4 digits (the table on disk keeps them whole)."""
     key = "advantage" if any(r.get("advantage") is not None for r in rows) else "reward"
     ranked = sorted((r for r in rows if r.get(key) is not None), key=lambda r: (-r[key], r["sample_id"]))
     top, bottom = ranked[:k], ranked[k:][-k:]
@@ -95,10 +95,18 @@ def explaining(rows: list[dict[str, Any]], seed: int, k: int = 3, width: int = 2
     for which, group in (("highest " + key, top), ("lowest " + key, bottom), ("at random", [rest[i] for i in picked])):
         for r in group:
             row = {"shown": which}
-            row.update({c: (r[c][:width] + ("..." if len(r[c]) > width else "")) if isinstance(r.get(c), str)
-                        else r.get(c) for c in SHOWN})
+            row.update({c: _shown(r.get(c), width) for c in SHOWN})
             out.append(row)
     return out
+
+
+def _shown(value: Any, width: int) -> Any:
+    """A value as a table in the UI shows it: a text cut to ``width`` characters, a float to 4 digits."""
+    if isinstance(value, str):
+        return value[:width] + ("..." if len(value) > width else "")
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    return value
 
 
 def trace_path(run_dir: str | Path, episode: int) -> Path:
