@@ -21,7 +21,7 @@ from chatlearn.checkpoint.data_checkpoint import DataCheckpointStore
 from chatlearn.checkpoint.resume import commit_data_checkpoint
 from chatlearn.checkpoint.run_config import record_progress
 from chatlearn.config import ChatLearnConfig
-from chatlearn.config.alerts import ALERT, Alerts
+from chatlearn.config.alerts import ALERT, Alert, Alerts
 from chatlearn.runtime.prefect import api_link
 from chatlearn.runtime.records.events import COMPLETED, STALLED, StallWatch, emit, related_runs, run_resource
 from chatlearn.runtime.records.reporting import (
@@ -100,14 +100,18 @@ class RunRecorder:
              self.related)
         self.watch.episode_done(episode, float(metrics.get("episode_seconds") or 0.0))
         for alert, episodes in self.alerts.update(row):
-            values = [r.get(alert.metric) for r in self.reporter.rows if r["episode"] in episodes]
-            sys.stderr.write(f"chatlearn: alert: {alert.text} (episodes {episodes[0]}-{episodes[-1]}: "
-                             f"{', '.join(f'{v:.4g}' for v in values if v is not None)})\n")
-            resource = {"prefect.resource.id": f"chatlearn.alert.{self.cfg.runtime.exp_name}.{alert.slug}",
-                        "prefect.resource.name": alert.text, "chatlearn.alert": alert.text,
-                        "chatlearn.run-dir": self.resource["chatlearn.run-dir"]}
-            emit(ALERT, resource, json_safe({"alert": alert.text, "episodes": episodes, "values": values}),
-                 [{**self.resource, "prefect.resource.role": "run"}, *self.related])
+            self._alerted(alert, episodes)
+
+    def _alerted(self, alert: Alert, episodes: list[int]) -> None:
+        """An alert met over ``episodes`` (counted from 1): one line, and its event for the automations."""
+        values = [r.get(alert.metric) for r in self.reporter.rows if r["episode"] in episodes]
+        sys.stderr.write(f"chatlearn: alert: {alert.text} (episodes {episodes[0]}-{episodes[-1]}: "
+                         f"{', '.join(f'{v:.4g}' for v in values if v is not None)})\n")
+        resource = {"prefect.resource.id": f"chatlearn.alert.{self.cfg.runtime.exp_name}.{alert.slug}",
+                    "prefect.resource.name": alert.text, "chatlearn.alert": alert.text,
+                    "chatlearn.run-dir": self.resource["chatlearn.run-dir"]}
+        emit(ALERT, resource, json_safe({"alert": alert.text, "episodes": episodes, "values": values}),
+             [{**self.resource, "prefect.resource.role": "run"}, *self.related])
 
     def _stalled(self, episode: int, seconds: float, median: float) -> None:
         factor = self.cfg.runtime.stall_factor
