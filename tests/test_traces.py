@@ -244,3 +244,22 @@ def test_the_ui_shows_floats_to_four_digits_and_the_table_keeps_them_whole(tmp_p
 
     rows = trace_rows([sample(i, 1 / 3) for i in range(2)], range(2), 0, "all", 0)
     assert explaining(rows, seed=0)[0]["reward"] == 0.3333 and rows[0]["reward"] == pytest.approx(1 / 3, abs=1e-7)
+
+
+def test_a_table_that_cannot_be_written_is_one_error_naming_it_and_leaves_no_half_file(tmp_path, monkeypatch):
+    import errno
+
+    import pyarrow.parquet as pq
+
+    from chatlearn.utils.errors import RunError
+
+    def full(table, where):
+        open(where, "wb").write(b"PAR1")  # a part written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", full)
+    with pytest.raises(RunError) as err:
+        write_trace(tmp_path, 0, trace_rows([sample(0, 1.0)], [0], 0, "all", 0))
+    assert str(err.value) == (f"cannot write an episode's samples to {trace_path(tmp_path, 0)}: [Errno 28] No space "
+                              "left on device")
+    assert list((tmp_path / "traces").iterdir()) == []

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from chatlearn.utils.storage import writing
+
 __all__ = ["TRACE_DIR", "drop_traces_after", "explaining", "read_traces", "trace_path", "trace_rows", "write_trace"]
 
 TRACE_DIR = "traces"
@@ -123,12 +125,13 @@ def write_trace(run_dir: str | Path, episode: int, rows: list[dict[str, Any]]) -
     import pyarrow.parquet as pq
 
     path = trace_path(run_dir, episode)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with writing("an episode's samples", path, cleanup=tmp):  # a full disk: one line, no half-written file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     return path.stat().st_size
 
 
@@ -139,9 +142,8 @@ def drop_traces_after(run_dir: str | Path, first: int) -> None:
     if not folder.is_dir():
         return
     for path in folder.iterdir():
-        stem = path.name.removesuffix(".tmp").removesuffix(".parquet")
-        if path.name.endswith(".tmp") or (stem.startswith("episode_") and stem[8:].isdigit()
-                                          and int(stem[8:]) > first):
+        number = path.name.removeprefix("episode_").removesuffix(".parquet")  # as `trace_path` names them
+        if path.name.endswith(".tmp") or (number.isdigit() and int(number) > first):
             path.unlink()
 
 
@@ -152,7 +154,7 @@ def read_traces(run_dir: str | Path, episode: int | None = None) -> Any:
     folder = Path(run_dir) / TRACE_DIR
     paths = sorted(folder.glob("episode_*.parquet")) if folder.is_dir() else []
     if episode is not None:
-        paths = [p for p in paths if p.name == f"episode_{episode:06d}.parquet"]
+        paths = [p for p in paths if p == trace_path(run_dir, episode - 1)]
     if not paths:
         return pd.DataFrame()
     return pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True)
