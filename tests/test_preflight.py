@@ -223,3 +223,18 @@ def test_a_warm_start_runs_on_the_random_init_before_the_model_is_saved_and_is_p
                 "models.policy.args_dict.tiny_model.warm_start=gsm8k")
     assert err.value.problems == ["models.policy.args_dict.tiny_model.warm_start: Input should be 'calculator'"]
     assert not (tmp_path / "p").exists()
+
+
+def test_building_the_tiny_model_prints_no_progress_bar_and_leaves_them_as_they_were(tmp_path, capfd):
+    # a user's first `chatlearn train` builds it in the driver: its terminal opened with transformers' bar of one
+    # shard ("Writing model shards: 100%|...")
+    from transformers.utils import logging as hf_logging
+
+    from chatlearn.models.hf import tiny
+
+    spec = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "max_position_embeddings": 16}
+    assert hf_logging.is_progress_bar_enabled()
+    tiny.ensure_tiny_model(tmp_path / "m", spec)
+    out, err = capfd.readouterr()
+    assert "shards" not in out + err and "\r" not in err, err
+    assert hf_logging.is_progress_bar_enabled()  # a caller's own bars stay on

@@ -43,6 +43,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.utils import logging as hf_logging
 
 from chatlearn.utils.imports import import_callable
 
@@ -254,7 +255,13 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a user's first run: its terminal opens with a bar of one shard
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
         tokenizer.save_pretrained(tmp)
         (tmp / "chatlearn_tiny_spec.json").write_text(json.dumps(spec.model_dump()))
         if path.exists():
