@@ -120,10 +120,13 @@ def two_node_cluster():
     from ray.cluster_utils import Cluster
 
     # the cluster's own processes wait 5 minutes for a lost GCS (Ray's default: 60 s), so when its head goes away
-    # the run's model processes end because the run asked them to, not because their raylet gave up
+    # the run's model processes end because the run asked them to, not because their raylet gave up. No dashboard:
+    # nothing here reads it, and its head process polls a lost GCS at most of a core (this module took 296 s with
+    # it, 250 s without, side by side)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "300")
-        cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3, resources={"head": 1}))
+        cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, num_gpus=3, resources={"head": 1},
+                                                                       include_dashboard=False))
         second = cluster.add_node(num_cpus=4, num_gpus=1, resources={"second": 1})
     try:
         cluster.wait_for_nodes()
