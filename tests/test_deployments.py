@@ -70,8 +70,11 @@ def _wait_for_line(proc_log: Path, prefix: str, timeout: float = 120.0) -> str:
 def stack(tiny_model_dir):
     """`chatlearn server` on a fresh database, a process work pool and its worker; env for commands."""
     home = Path(tempfile.mkdtemp(prefix="chatlearn-deploy-"))
+    # the worker and `chatlearn serve`'s runner ask for scheduled runs every 2 s, not Prefect's 10: what is tested
+    # is what they run, and each of the module's runs waits up to that long to be picked up
     env = dict(os.environ, CHATLEARN_PREFECT_HOME=str(home / "server"), PREFECT_HOME=str(home / "cli"),
-               CHATLEARN_TINY_MODEL_DIR=tiny_model_dir, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+               CHATLEARN_TINY_MODEL_DIR=tiny_model_dir, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_WORKER_QUERY_SECONDS="2", PREFECT_RUNNER_POLL_FREQUENCY="2")
     for key in ("PREFECT_API_URL", "RAY_ADDRESS"):
         env.pop(key, None)
     server_log = home / "server.out"
@@ -313,7 +316,7 @@ def test_serve_runs_a_deployment_from_one_process(stack, tmp_path):
                     time.sleep(0.5)
             assert dep is not None, log.read_text()
             assert dep.concurrency_options.collision_strategy.value == "ENQUEUE"
-            time.sleep(3)  # the runner polls for its deployments' runs once it is up
+            time.sleep(2)  # the runner polls for its deployments' runs once it is up
             run = client.create_flow_run_from_deployment(dep.id)
         finished = _wait_final(stack, run.id)
         assert finished.state.type.value == "COMPLETED", log.read_text()[-4000:]
