@@ -70,15 +70,17 @@ def test_check_adds_the_engine_checks_in_the_same_list(capsys):
 
 
 @pytest.mark.slow
-def test_train_rejects_a_bad_config_before_starting_anything(tmp_path):
-    res = run("train", "models.reward.args_dict.reward_fn=nowhere:fn", "runtime.sample_per_episode=0",
-              env={"CHATLEARN_PREFECT_HOME": str(tmp_path)})
-    assert res.returncode == 2
-    assert "  - runtime.sample_per_episode: must be > 0, got 0" in res.stderr.splitlines()
+def test_train_rejects_a_bad_config_before_starting_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("CHATLEARN_PREFECT_HOME", str(tmp_path))
+    code, _, err = run_here(capsys, "train", "models.reward.args_dict.reward_fn=nowhere:fn",
+                            "runtime.sample_per_episode=0")
+    assert code == 2
+    assert "  - runtime.sample_per_episode: must be > 0, got 0" in err.splitlines()
     # where it looked: the command's directory and the config's folder (the embedded default's)
     assert "  - models.reward.args_dict.reward_fn: 'nowhere:fn': cannot import module 'nowhere': no module named " \
            f"'nowhere': not installed, and no nowhere.py or nowhere/ in {REPO} (the current directory), " \
-           f"{os.path.dirname(default_config_path())}" in res.stderr.splitlines()
+           f"{os.path.dirname(default_config_path())}" in err.splitlines()
     assert not (tmp_path / "server.json").exists()  # no Prefect server was started
 
 
