@@ -224,12 +224,15 @@ def reward(sample):
 
 
 @pytest.mark.integration
-def test_train_with_a_nan_reward_stops_with_one_line_and_writes_no_nan(prefect_api, tiny_model_dir, tmp_path):
+def test_train_with_a_nan_reward_stops_with_one_line_and_writes_no_nan(prefect_api, ray_session, tiny_model_dir,
+                                                                       tmp_path):
     from prefect.settings import PREFECT_API_URL
 
     (tmp_path / "nan_hook.py").write_text(NAN_HOOK)
+    # the command's terminal is what is tested: it joins the session's Ray (a local one would be seconds to start
+    # and stop), and ships its PYTHONPATH to its workers as a run on any cluster does
     env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path / "out"), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
-               PREFECT_API_URL=PREFECT_API_URL.value(),
+               PREFECT_API_URL=PREFECT_API_URL.value(), RAY_ADDRESS=ray_session.get_runtime_context().gcs_address,
                PYTHONPATH=os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     args = ["runtime.num_episode=2", "runtime.sample_per_episode=32", "runtime.generation_batch_size=16",
             "runtime.train_micro_batch_size=8", "runtime.train_global_batch_size=16", "runtime.save_episode_interval=1",
