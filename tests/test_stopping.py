@@ -31,7 +31,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.integration
-def test_a_stuck_stage_is_an_error_naming_the_episode_stage_and_model(tiny_model_dir, tmp_path, prefect_api):
+def test_a_stuck_stage_is_an_error_naming_the_episode_stage_and_model(tiny_model_dir, tmp_path, prefect_api,
+                                                                      ray_session):
     from prefect.settings import PREFECT_API_URL
 
     (tmp_path / "stuck_reward.py").write_text(textwrap.dedent("""
@@ -41,8 +42,11 @@ def test_a_stuck_stage_is_an_error_naming_the_episode_stage_and_model(tiny_model
             time.sleep(600)  # a hook that never returns in time
             return 0.0
     """))
+    # the command's terminal is what is tested: it joins the session's Ray (its stuck task ends with the command,
+    # as a finished driver's tasks do), and ships its PYTHONPATH to the workers
     env = dict(os.environ, CHATLEARN_OUTPUT_DIR=str(tmp_path / "out"), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir,
-               PREFECT_API_URL=PREFECT_API_URL.value(), PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+               PREFECT_API_URL=PREFECT_API_URL.value(), PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
+               RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "chatlearn.cli", "train", *SMALL, "runtime.num_episode=1",
                           "runtime.eval_episode_interval=0", "runtime.stage_timeout_s=5",
