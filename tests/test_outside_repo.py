@@ -11,6 +11,7 @@ larger num_episode continues from the checkpoint the last episode always leaves.
 """
 
 import json
+import sys
 
 import pytest
 
@@ -90,11 +91,19 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
         """The same command in this process, for the answers given before anything starts (an interpreter and
         its imports cost 9 s here): (exit code, stderr)."""
         capsys.readouterr()
+        path, modules = list(sys.path), set(sys.modules)
         with pytest.MonkeyPatch.context() as env:
             env.chdir(project)
             env.setenv("CHATLEARN_OUTPUT_DIR", str(out))
             env.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
-            code = main(["train", "conf/run.yaml", *SMALL, *args])
+            env.delenv("CHATLEARN_CODE_PATH", raising=False)
+            try:
+                code = main(["train", "conf/run.yaml", *SMALL, *args])
+            finally:  # the project's modules (myreward, ...) are forgotten: other tests name theirs alike
+                sys.path[:] = path
+                for name in set(sys.modules) - modules:
+                    if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(project)):
+                        del sys.modules[name]
         return code, capsys.readouterr().err
 
     first = train("runtime.num_episode=1", PREFECT_LOGGING_LEVEL="INFO")  # Prefect's default, not the suite's
