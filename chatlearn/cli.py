@@ -201,18 +201,12 @@ def cmd_export(run_dir: str, out: str, iteration: int | None, to: str, model: st
                model_path: str | None) -> int:
     """`export`: one checkpoint iteration of a run as a Hugging Face model or a peft adapter, with a model card."""
     # lazy: torch, transformers and peft load only for the commands that run something (see the module docstring)
-    from transformers.utils import logging as hf_logging
+    from chatlearn.models.hf.export import export_checkpoint
+    from chatlearn.models.hf.tiny import progress_bars_off
 
-    from chatlearn.models.hf.export import export_checkpoint  # lazy, as above
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # one line of output, not transformers' loading bars
-    try:
+    with progress_bars_off():  # one line of output, not transformers' loading bars
         export_checkpoint(run_dir, out, iteration=iteration, to=to, model=model, force=force, model_path=model_path,
                           announce=print)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
     return 0
 
 

@@ -76,6 +76,35 @@ def train_here(args: list[str], out, tiny_model_dir: str, monkeypatch, **variabl
     return train_flow(config_path=config, overrides=list(overrides))
 
 
+def command_here(args: list[str], cwd, forget_under=None, **variables):
+    """`chatlearn ARGS` in this process, for the answers the command gives before it starts anything (an
+    interpreter and its imports would be most of their time): a ``subprocess.CompletedProcess`` as
+    `chatlearn_train` returns, run in ``cwd`` with ``variables`` set. ``sys.path`` is restored after it, and the
+    modules imported from ``forget_under`` (a user's project) are forgotten, as that process would end with them:
+    other tests name their own modules alike. Not for runs: a run's end is its own process's (`train_here`)."""
+    import contextlib
+    import io
+    import subprocess
+    import sys
+
+    from chatlearn.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    path, modules = list(sys.path), set(sys.modules)
+    with pytest.MonkeyPatch.context() as here, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        here.chdir(cwd)
+        for name, value in variables.items():
+            here.setenv(name, value)
+        try:
+            code = main(list(args))
+        finally:
+            sys.path[:] = path
+            for name in (set(sys.modules) - modules) if forget_under else ():
+                if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(forget_under)):
+                    del sys.modules[name]
+    return subprocess.CompletedProcess(["chatlearn", *args], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings

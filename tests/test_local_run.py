@@ -15,7 +15,6 @@ restarts are stopped before they train.
 """
 
 import contextlib
-import io
 import ipaddress
 import json
 import os
@@ -29,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, command_here
 
 pytestmark = pytest.mark.integration
 
@@ -137,20 +136,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def refused_here(env: dict) -> subprocess.CompletedProcess:
-    """The same `chatlearn train` in this process (the run directory's lock is checked before anything starts: an
-    interpreter and its imports would be most of its time), as the command's exit code and stderr."""
-    from chatlearn.cli import main
-
-    said = io.StringIO()
-    with pytest.MonkeyPatch.context() as here, contextlib.redirect_stderr(said):
-        here.chdir(REPO)
-        for name in ("CHATLEARN_OUTPUT_DIR", "CHATLEARN_TINY_MODEL_DIR"):
-            here.setenv(name, env[name])
-        code = main(["train", *ARGS])
-    return subprocess.CompletedProcess(["chatlearn", "train", *ARGS], code, "", said.getvalue())
-
-
 @pytest.fixture(scope="module")
 def local_run(tiny_model_dir, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("local-run")
@@ -172,7 +157,9 @@ def local_run(tiny_model_dir, tmp_path_factory) -> dict:
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         seen.update(listening(root))
-        second = refused_here(env)
+        # asked in this process: the run directory's lock is checked before anything starts
+        second = command_here(["train", *ARGS], REPO, CHATLEARN_OUTPUT_DIR=env["CHATLEARN_OUTPUT_DIR"],
+                              CHATLEARN_TINY_MODEL_DIR=tiny_model_dir)
         holder = json.loads((run_dir / ".lock").read_text())
         server = json.loads((tmp / "prefect" / "server.json").read_text())["pid"]
         server_alive_before = alive(server)

@@ -11,12 +11,10 @@ larger num_episode continues from the checkpoint the last episode always leaves.
 """
 
 import json
-import sys
 
 import pytest
 
-from chatlearn.cli import main
-from tests.conftest import REPO, chatlearn_train
+from tests.conftest import REPO, chatlearn_train, command_here
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +69,7 @@ def write(path, text):
 
 
 def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_directory(prefect_api, tiny_model_dir,
-                                                                                     tmp_path, capsys):
+                                                                                     tmp_path):
     project = tmp_path / "project"
     write(project / "conf" / "run.yaml", CONFIG)
     write(project / "conf" / "myengine.py", ENGINE)
@@ -87,24 +85,9 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
     def train(*args, **variables):
         return chatlearn_train(["conf/run.yaml", *SMALL, *args], out, tiny_model_dir, cwd=str(project), **variables)
 
-    def decided_here(*args):
-        """The same command in this process, for the answers given before anything starts (an interpreter and
-        its imports cost 9 s here): (exit code, stderr)."""
-        capsys.readouterr()
-        path, modules = list(sys.path), set(sys.modules)
-        with pytest.MonkeyPatch.context() as env:
-            env.chdir(project)
-            env.setenv("CHATLEARN_OUTPUT_DIR", str(out))
-            env.setenv("CHATLEARN_TINY_MODEL_DIR", tiny_model_dir)
-            env.delenv("CHATLEARN_CODE_PATH", raising=False)
-            try:
-                code = main(["train", "conf/run.yaml", *SMALL, *args])
-            finally:  # the project's modules (myreward, ...) are forgotten: other tests name theirs alike
-                sys.path[:] = path
-                for name in set(sys.modules) - modules:
-                    if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(project)):
-                        del sys.modules[name]
-        return code, capsys.readouterr().err
+    def answered_here(*args):  # what the command says before it starts anything, asked in this process
+        return command_here(["train", "conf/run.yaml", *SMALL, *args], project, forget_under=project,
+                            CHATLEARN_OUTPUT_DIR=str(out), CHATLEARN_TINY_MODEL_DIR=tiny_model_dir)
 
     first = train("runtime.num_episode=1", PREFECT_LOGGING_LEVEL="INFO")  # Prefect's default, not the suite's
     assert first.returncode == 0, first.stderr[-4000:]
@@ -130,19 +113,19 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
     assert any(line.split()[:2] == ["Prefect", "UI"] and "/runs/flow-run/" in line for line in summary)
 
     # the same command again: complete, nothing started or written
-    code, said = decided_here("runtime.num_episode=1")
-    assert code == 0, said[-4000:]
-    assert said.splitlines() == [
+    again = answered_here("runtime.num_episode=1")
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stderr.splitlines() == [
         f"chatlearn: {run_dir} is complete: it trained 1 episode, runtime.num_episode is 1 (final policy: "
         f"{run_dir}/final/policy); nothing to do. A larger runtime.num_episode continues it; another "
         "runtime.exp_name starts a new run"]
 
     # another seed and learning rate in the same run directory: refused before anything starts, naming them
-    code, said = decided_here("runtime.num_episode=1", "runtime.seed=7", "models.ppo_policy.args_dict.lr=1e-3")
-    assert code == 2, said[-4000:]
-    assert said.startswith(f"chatlearn: error: {run_dir} holds a run started with another config, which "
+    other = answered_here("runtime.num_episode=1", "runtime.seed=7", "models.ppo_policy.args_dict.lr=1e-3")
+    assert other.returncode == 2, other.stderr[-4000:]
+    assert other.stderr.startswith(f"chatlearn: error: {run_dir} holds a run started with another config, which "
                                    "differs in 2 fields that change results: models.ppo_policy.args_dict.lr: 0.0005 "
-                                   "in the run, 0.001 now; runtime.seed: 42 in the run, 7 now."), said
+                                   "in the run, 0.001 now; runtime.seed: 42 in the run, 7 now."), other.stderr
     assert {p: (run_dir / p).read_bytes() for p in kept} == kept
 
     # a larger num_episode continues from the last episode's checkpoint (save_episode_interval is 10)

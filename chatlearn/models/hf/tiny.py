@@ -18,12 +18,14 @@ by digit) or, with `tokenizer: family`, a BPE tokenizer in the format of the arc
 tokens, EOS/pad/BOS roles and chat template (`build_family_tokenizer`).
 """
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -194,6 +196,19 @@ def build_family_tokenizer(architecture: str, vocab_size: int = 400):
                                    **roles)
 
 
+@contextlib.contextmanager
+def progress_bars_off() -> Iterator[None]:
+    """Transformers' progress bars off for a block, as they were after it: a command's terminal shows its own lines
+    (a save's "Writing model shards" bar of one shard, a load's bars), a caller's own setting stays."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None = None) -> Path:
     """Create tokenizer + random-init causal LM (`spec.architecture`) at `path` unless a model with the same spec
     is there.
@@ -255,13 +270,8 @@ def ensure_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | dict | None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        shown = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a user's first run: its terminal opens with a bar of one shard
-        try:
+        with progress_bars_off():  # built in the driver of a user's first run, before anything is on its terminal
             model.save_pretrained(tmp, safe_serialization=True)
-        finally:
-            if shown:
-                hf_logging.enable_progress_bar()
         tokenizer.save_pretrained(tmp)
         (tmp / "chatlearn_tiny_spec.json").write_text(json.dumps(spec.model_dump()))
         if path.exists():
