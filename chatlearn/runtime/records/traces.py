@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from chatlearn.utils.files import fsync_file
 from chatlearn.utils.storage import writing
 
 __all__ = ["TRACE_DIR", "drop_traces_after", "explaining", "read_traces", "trace_path", "trace_rows", "write_trace"]
@@ -129,8 +130,7 @@ def write_trace(run_dir: str | Path, episode: int, rows: list[dict[str, Any]]) -
     with writing("an episode's samples", path, cleanup=tmp):  # a full disk: one line, no half-written file
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.Table.from_pylist(rows), tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        fsync_file(str(tmp))
         os.replace(tmp, path)
     return path.stat().st_size
 
