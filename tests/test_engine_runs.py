@@ -1,5 +1,6 @@
-"""Integration: two episodes of each new engine from its shipped config (GRPO, DPO, online DPO with LoRA),
-through a real Ray and a real Prefect API, and GRPO's exact resume after SIGKILL in a real process."""
+"""Integration: two episodes of each engine from its shipped config (GRPO, DPO, online DPO with LoRA, DAPO, the
+pipelined and the multi-turn GRPO), through a real Ray and a real Prefect API, each resumed exactly after a SIGKILL
+of a real process."""
 
 import json
 import os
@@ -57,54 +58,34 @@ def test_grpo_two_episodes_and_the_three_sources_of_old_logprobs(prefect_api, ra
     assert rows[1]["kl_loss"] > 0
     assert "eval_reward_mean_before_training" in rows[0] and "eval_exact_match" in rows[1]
 
-    # the trainer's own forward pass as the old log-probs, and the training forward's own (one step an episode):
-    # the same weights give the same first episode
-    for source in ("trainer", "current"):
-        cfg2 = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32", "runtime.num_episode=1",
-                     f"models.ppo_policy.args_dict.old_logprobs={source}", "runtime.eval_episode_interval=0",
-                     "runtime.enable_eval_before_training=false", f"runtime.exp_name=grpo-{source}")
-        train_flow(cfg2)
-        first = rows_of(tmp_path / cfg2.runtime.exp_name)[0]
-        assert first["reward_mean"] == rows[0]["reward_mean"], source
-        for key in ("policy_loss", "clipfrac", "approx_kl", "kl_loss", "policy_grad_norm"):
-            assert first[key] == pytest.approx(rows[0][key], abs=1e-5), (source, key)
+    # the training forward's own log-probs as the old ones (one step an episode): the same weights give the same
+    # first episode (the trainer's own forward pass as the source: tests/test_vllm.py's GRPO runs; the three agree
+    # on one batch: tests/test_engines_unit.py)
+    cfg2 = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32", "runtime.num_episode=1",
+                 "models.ppo_policy.args_dict.old_logprobs=current", "runtime.eval_episode_interval=0",
+                 "runtime.enable_eval_before_training=false", "runtime.exp_name=grpo-current")
+    train_flow(cfg2)
+    first = rows_of(tmp_path / cfg2.runtime.exp_name)[0]
+    assert first["reward_mean"] == rows[0]["reward_mean"]
+    for key in ("policy_loss", "clipfrac", "approx_kl", "kl_loss", "policy_grad_norm"):
+        assert first[key] == pytest.approx(rows[0][key], abs=1e-5), key
     assert first["approx_kl"] == 0.0 and first["stage_seconds"]["score"] > 0
 
 
-def test_dpo_two_episodes_learn_the_preference(prefect_api, ray_session, tiny_model_dir, tmp_path):
-    from flows import train_flow
-
-    cfg = small("dpo", tmp_path, tiny_model_dir, "runtime.sample_per_episode=64")
-    result = train_flow(cfg)
-    rows = rows_of(tmp_path / cfg.runtime.exp_name)
-    assert [r["episode"] for r in rows] == [1, 2] and rows[1]["consumed_samples"] == 128
-    assert rows[0]["eval_reward_mean_before_training"] == 0.0  # the policy is the reference: no margin
-    assert rows[0]["dpo_loss"] < 0.6932  # log 2 at the first step, then lower
-    assert rows[1]["eval_preference_accuracy"] > 0.5 and rows[1]["eval_reward_margin"] > 0
-    assert os.path.isfile(os.path.join(result["final_policy"], "model.safetensors"))
-
-
-def test_online_dpo_with_lora_two_episodes(prefect_api, ray_session, tiny_model_dir, tmp_path):
+def assert_lora_checkpoints_and_merged_export(run_dir, final, tiny_model_dir):
+    """configs/online_dpo.yaml's LoRA run: its rows, checkpoints of adapters apart from the frozen base (written
+    once), and an export merged (plain transformers loads it, no adapter files) that moved away from the base."""
     from transformers import AutoModelForCausalLM
 
-    from flows import train_flow
-
-    cfg = small("online_dpo", tmp_path, tiny_model_dir, "runtime.save_episode_interval=1")
-    assert cfg.models["ppo_policy"].lora.enable_lora
-    result = train_flow(cfg)
-    run_dir = tmp_path / cfg.runtime.exp_name
     rows = rows_of(run_dir)
     assert [r["episode"] for r in rows] == [1, 2]
     assert all(r["num_pairs"] > 0 and 0 <= r["pair_accuracy"] <= 1 for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0 < summary["trainable_params"] < summary["total_params"] / 5
-    # checkpoints hold adapters apart from the frozen base, written once
     ckpt = run_dir / "checkpoints" / "ppo_policy"
     assert sorted(p.name for p in ckpt.iterdir()) == ["base", "iter_0000002", "iter_0000004"]
     adapters = load_file(str(next((ckpt / "iter_0000004").glob("*.safetensors"))))
     assert adapters and all("lora_" in k for k in adapters)
-    # the export is merged: plain transformers loads it, no adapter files, and it moved away from the base
-    final = result["final_policy"]
     assert not os.path.exists(os.path.join(final, "adapter_config.json"))
     model = AutoModelForCausalLM.from_pretrained(final)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
@@ -129,6 +110,9 @@ RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.arg
                 "dapo": ["models.policy.args_dict.max_new_tokens=1", "models.reward.args_dict.max_response_length=1",
                          "models.reward.args_dict.overlong_buffer_len=1",
                          "models.policy.args_dict.num_inference_per_prompt=4"],
+                # DPO's preference learnt, in its eval after episode 2 (the policy is the reference before training)
+                "dpo": ["runtime.sample_per_episode=64", "runtime.eval_episode_interval=2",
+                        "runtime.enable_eval_before_training=true"],
                 # online DPO with LoRA generates on vLLM: the merged weights pushed into it, a new engine after
                 # the kill drawing what the killed run's would have (per-request seeds)
                 "online_dpo": ["runtime.rollout_engine=vllm"],
@@ -195,15 +179,15 @@ def killed_and_resumed(config, tmp_path, ref, exp, crash, timing, tiny_model_dir
 def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session, tiny_model_dir, tmp_path,
                                                monkeypatch, capsys):
     """A `chatlearn train` process killed while episode 2 trains, then the same run again: the uninterrupted
-    run's final policy and rows, bit for bit (GRPO: with continuous batching, packing and partial rollouts; online
-    DPO with LoRA, generating on vLLM: the adapters, the base check, the merged export and vLLM's draws resume too;
-    DAPO: with dynamic sampling's
-    extra rounds of prompts). The reference and the re-run run here, on
-    the session's Ray (a re-run in a new process of its own: tests/test_resume.py); the killed run is a process
-    of its own, SIGKILLed."""
+    run's final policy and rows, bit for bit (GRPO: with continuous batching, packing and partial rollouts; DPO:
+    with its evals, the preference learnt; online DPO with LoRA, generating on vLLM: the adapters, the base check,
+    the merged export and vLLM's draws resume too; DAPO: with dynamic sampling's extra rounds of prompts). The
+    reference and the re-run run here, on the session's Ray (a re-run in a new process of its own:
+    tests/test_resume.py); the killed run is a process of its own, SIGKILLed. The reference's rows show what each
+    engine's two episodes do."""
     timing = ("episode_seconds", "stage_seconds", "peak_memory_mb", "startup_seconds", "checkpoint_paths",
               "partial_rollouts")
-    train_here(config, tmp_path, "ref", tiny_model_dir, monkeypatch)
+    result = train_here(config, tmp_path, "ref", tiny_model_dir, monkeypatch)
     if config == "grpo":  # partial rollouts: what episode 1 left unfinished, episode 2 continued
         first, second = rows_of(tmp_path / "ref")
         assert first["round_0_samples"] == 32 and first["partial_unfinished"] > 0
@@ -218,6 +202,14 @@ def test_resume_after_sigkill_is_bit_identical(config, prefect_api, ray_session,
         assert first["dynamic_sampling_rounds"] == 2 and first["filtered_groups"] > 0
         assert first["consumed_samples"] == 64 and first["num_samples"] == 32
         assert second["consumed_samples"] == 64 + 32 * second["dynamic_sampling_rounds"]
+    if config == "dpo":  # the preference learnt: no margin before training (the policy is the reference), then one
+        first, second = rows_of(tmp_path / "ref")
+        assert second["consumed_samples"] == 128 and first["eval_reward_mean_before_training"] == 0.0
+        assert first["dpo_loss"] < 0.6932  # log 2 at the first step, then lower
+        assert second["eval_preference_accuracy"] > 0.5 and second["eval_reward_margin"] > 0
+        assert os.path.isfile(os.path.join(result["final_policy"], "model.safetensors"))
+    if config == "online_dpo":  # LoRA: the checkpoints hold adapters apart from the frozen base, written once
+        assert_lora_checkpoints_and_merged_export(tmp_path / "ref", result["final_policy"], tiny_model_dir)
     # online DPO: the killed process's policy process, vLLM's engine in it, SIGKILLed in episode 1 first: the run
     # recreates its model processes and redoes the episode, a new engine drawing what the lost one would have
     kill = "policy:after_generate:0" if config == "online_dpo" else None
