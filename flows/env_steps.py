@@ -5,7 +5,6 @@ batch's environments step on the policy's answers here, with ``runtime.agent.num
 timeout and retries, so every environment step is a task run in the UI.
 """
 
-import functools
 from typing import Any
 
 import ray
@@ -13,18 +12,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect_ray.context import remote_options
 
-from chatlearn.envs.render import ObservationRenderer
+from chatlearn.envs.render import renderer_for
 from chatlearn.envs.turns import StepResult, TurnSpec, step_conversations
-from chatlearn.models.hf.common import load_tokenizer
 from chatlearn.runtime.calls.handles import RefBox
 from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.prefect.ray_tasks import ray_task_runner
-
-
-@functools.lru_cache(maxsize=4)
-def _renderer(model_path: str) -> ObservationRenderer:
-    """The policy's tokenizer, loaded once per Ray worker."""
-    return ObservationRenderer(load_tokenizer(model_path))
 
 
 @task(name="env-step", task_run_name="env-step-turn-{turn}-batch-{index}", cache_policy=NO_CACHE)
@@ -33,7 +25,9 @@ def env_step(batch: Any, envs: list[Any] | None, turn: int, index: int, spec: Tu
     """One batch's environments step on the policy's answers of ``turn``, in a Ray worker. ``batch`` is the
     policy's output (a RefBox of one ref, fetched here); ``envs`` those of the earlier turns (None: turn 1)."""
     data = ray.get(batch.refs[0], timeout=spec.timeout_s)
-    return step_conversations(data, envs, turn, spec, _renderer(spec.model_path), is_eval)
+    # the task's function travels by value, what it calls by reference: a cache of this module's would make every
+    # new worker import the `flows` package, and the run's machinery with it
+    return step_conversations(data, envs, turn, spec, renderer_for(spec.model_path), is_eval)
 
 
 def step_envs(spec: TurnSpec, refs: list[Any], envs: list[Any], turn: int, is_eval: bool,

@@ -327,10 +327,10 @@ def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_ap
 
 
 def test_a_rule_task_reaches_its_worker_without_the_flows_and_their_imports(prefect_api):
-    """What a rule-reward task's Ray worker unpickles (the task, its context) imports neither the `flows` package
-    nor transformers: the task travels by value, and its parent flow and stage task as stand-ins of the same
-    names, with no parameters (a run's first score stage spent 7 s on those imports in new workers, the next 0.2
-    s). Hydrated, the context still names the parent flow run, flow and stage task."""
+    """What a rule-reward or env-step task's Ray worker unpickles (the task, its context) imports neither the
+    `flows` package nor transformers: the tasks travel by value, and their parent flow and stage task as stand-ins
+    of the same names, with no parameters (a run's first score stage spent 7 s on those imports in new workers,
+    the next 0.2 s). Hydrated, the context still names the parent flow run, flow and stage task."""
     import pickle
 
     import ray
@@ -338,6 +338,7 @@ def test_a_rule_task_reaches_its_worker_without_the_flows_and_their_imports(pref
     from prefect.context import FlowRunContext, TaskRunContext, hydrated_context, serialize_context
 
     from chatlearn.runtime.prefect.ray_tasks import _light_parent
+    from flows.env_steps import env_step
     from flows.rule_tasks import rule_reward
 
     @task(name="score")
@@ -352,12 +353,12 @@ def test_a_rule_task_reaches_its_worker_without_the_flows_and_their_imports(pref
 
     context, flow_run_id = episode({"spec": "the run's context"})
     assert context["flow_run_context"]["parameters"] == context["task_run_context"]["parameters"] == {}
-    payload = ray.cloudpickle.dumps((rule_reward, context))
+    payload = ray.cloudpickle.dumps((rule_reward, env_step, context))
     seen = subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
                            "print(sorted(m for m in ('flows', 'transformers') if m in sys.modules))"],
                           input=payload, capture_output=True, cwd=REPO, timeout=120)
     assert seen.stdout.decode().split() == ["[]"], seen.stderr.decode()[-2000:]
-    with hydrated_context(pickle.loads(payload)[1]):
+    with hydrated_context(pickle.loads(payload)[2]):
         assert FlowRunContext.get().flow.name == "episode" and str(FlowRunContext.get().flow_run.id) == flow_run_id
         assert TaskRunContext.get().task.name == "score"
 

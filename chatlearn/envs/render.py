@@ -17,12 +17,13 @@ A tokenizer with no chat template (the embedded char tokenizer) gets the plain f
 two newlines, or between two spaces where the vocabulary has no newline (the char tokenizer's has none).
 """
 
+import functools
 import re
 from typing import Any
 
 from chatlearn.tools.calls import RESPONSE_CLOSE, RESPONSE_OPEN, render_tool_response
 
-__all__ = ["ObservationRenderer", "split_tool_responses"]
+__all__ = ["ObservationRenderer", "renderer_for", "split_tool_responses"]
 
 _PROBE = "PROBE"  # a message body no template adds itself
 _BLOCK = re.compile(re.escape(RESPONSE_OPEN) + r"\n(.*?)\n" + re.escape(RESPONSE_CLOSE), re.DOTALL)
@@ -98,3 +99,12 @@ class ObservationRenderer:
     def ids(self, text: str) -> list[int]:
         """The token ids after an answer's EOS: the observation ``text`` and the next answer's header."""
         return self.tokenizer(self.text(text), add_special_tokens=False)["input_ids"]
+
+
+@functools.lru_cache(maxsize=4)
+def renderer_for(model_path: str) -> "ObservationRenderer":
+    """The renderer of the policy's tokenizer at ``model_path``, loaded once per process (an ``env-step`` task's
+    Ray worker steps many batches)."""
+    from chatlearn.models.hf.common import load_tokenizer
+
+    return ObservationRenderer(load_tokenizer(model_path))
