@@ -48,31 +48,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, max_bytes: int, coalesce: bool, out: dict) -> None:
+CASES = [(1024, True), (10_000, True), (1 << 20, True), (1 << 20, False)]
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    """Every case of the two tests below, in turn, in one process group: two processes (each a torch import)
+    for all of them."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=60))
     try:
-        mine = state(fill=rank == 0)
-        storage = {n: t.data_ptr() for n, t in mine.items()}
-        stats = broadcast_tensors(mine, src=0, coalesce=coalesce, max_bytes=max_bytes)
+        for max_bytes, coalesce in CASES:
+            mine = state(fill=rank == 0)
+            storage = {n: t.data_ptr() for n, t in mine.items()}
+            stats = broadcast_tensors(mine, src=0, coalesce=coalesce, max_bytes=max_bytes)
+            if rank == 1:
+                expected = state(fill=True)
+                out[max_bytes, coalesce] = dict(equal=all(torch.equal(mine[n], expected[n]) for n in expected),
+                                                in_place=all(mine[n].data_ptr() == storage[n] for n in mine),
+                                                stats=stats)
+        mine = tied_state(fill=rank == 0)
+        stats = broadcast_tensors(mine, src=0, max_bytes=1024)  # the 2.5 KiB embedding travels alone
         if rank == 1:
-            expected = state(fill=True)
-            out["equal"] = all(torch.equal(mine[n], expected[n]) for n in expected)
-            out["in_place"] = all(mine[n].data_ptr() == storage[n] for n in mine)
-            out["stats"] = stats
+            out["tied"] = dict(equal=all(torch.equal(mine[n], t) for n, t in tied_state(True).items()),
+                               tied=mine["lm_head.weight"] is mine["embed_tokens.weight"], stats=stats)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("max_bytes,coalesce", [(1024, True), (10_000, True), (1 << 20, True), (1 << 20, False)])
-def test_broadcast_between_two_processes_is_bit_exact(max_bytes, coalesce):
-    """Buckets smaller than the largest tensor (1 KiB, 10 KB), larger than all of them (1 MiB), and per tensor."""
+@pytest.fixture(scope="module")
+def broadcasts() -> dict:
+    """What the receiving process saw in each case of `_worker`."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), max_bytes, coalesce, out), nprocs=2, join=True)
-        result = dict(out)
+        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        return dict(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_bytes,coalesce", CASES)
+def test_broadcast_between_two_processes_is_bit_exact(broadcasts, max_bytes, coalesce):
+    """Buckets smaller than the largest tensor (1 KiB, 10 KB), larger than all of them (1 MiB), and per tensor."""
+    result = broadcasts[max_bytes, coalesce]
     assert result["equal"] and result["in_place"]
     stats = result["stats"]
     specs = specs_of(state(True))
@@ -90,28 +107,10 @@ def tied_state(fill: bool) -> dict[str, torch.Tensor]:
             "lm_head.weight": embed}
 
 
-def _tied_worker(rank: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=60))
-    try:
-        mine = tied_state(fill=rank == 0)
-        stats = broadcast_tensors(mine, src=0, max_bytes=1024)  # the 2.5 KiB embedding travels alone
-        if rank == 1:
-            out["equal"] = all(torch.equal(mine[n], t) for n, t in tied_state(True).items())
-            out["tied"] = mine["lm_head.weight"] is mine["embed_tokens.weight"]
-            out["stats"] = stats
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
-def test_a_tied_tensor_is_sent_once_and_the_receiver_stays_tied():
+def test_a_tied_tensor_is_sent_once_and_the_receiver_stays_tied(broadcasts):
     assert [s[0] for s in specs_of(tied_state(True))] == ["embed_tokens.weight", "norm.weight"]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_tied_worker, args=(_free_port(), out), nprocs=2, join=True)
-        result = dict(out)
+    result = broadcasts["tied"]
     assert result["equal"] and result["tied"]
     assert result["stats"]["bytes"] == (40 * 16 + 16) * 4 and result["stats"]["collectives"] == 2
 
