@@ -52,58 +52,38 @@ def stopped(pid, timeout=5.0):
 
 
 @pytest.mark.integration
-def test_overlapping_runs_share_one_server_and_the_last_stops_it(tmp_path):
+def test_overlapping_runs_share_one_server_a_killed_ones_is_adopted_and_the_last_stops_it(tmp_path):
+    """One server's life (each start costs seconds here): run A starts it and tells its UI the served API (unset,
+    /ui-settings says port 4200 and the UI shows "Can't connect to Server API"); B reuses it; A ends and the
+    server stays for B; B is SIGKILLed (no cleanup: the server stays up with a dead user); C adopts it, and C,
+    the last user out, stops it."""
     home = tmp_path / "home"
     a = start_holder(home, tmp_path / "release-a", tmp_path, "a")
-    url_a = wait_for_url(tmp_path / "a.log")
-    assert url_a.startswith("http://127.0.0.1:") and healthy(url_a)
-    b = start_holder(home, tmp_path / "release-b", tmp_path, "b")
-    url_b = wait_for_url(tmp_path / "b.log")
-    assert url_b == url_a
+    url = wait_for_url(tmp_path / "a.log")
+    assert url.startswith("http://127.0.0.1:") and healthy(url) and not url.endswith(":4200/api")
+    with urllib.request.urlopen(url.removesuffix("/api") + "/ui-settings", timeout=10) as resp:
+        assert json.loads(resp.read())["api_url"] == url
+    b = start_holder(home, tmp_path / "never", tmp_path, "b")
+    assert wait_for_url(tmp_path / "b.log") == url
     assert "reusing" in (tmp_path / "b.log").read_text()
     server_pid = json.loads((home / "server.json").read_text())["pid"]
 
     # the first run ends while the second still uses the server: the server must stay up
     (tmp_path / "release-a").touch()
     assert a.wait(60) == 0
-    assert healthy(url_b) and _alive(server_pid)
+    assert healthy(url) and _alive(server_pid)
+
+    b.kill()
+    b.wait()
+    assert healthy(url)
+    c = start_holder(home, tmp_path / "release-c", tmp_path, "c")
+    assert wait_for_url(tmp_path / "c.log") == url
 
     # the last user out stops it
-    (tmp_path / "release-b").touch()
-    assert b.wait(60) == 0
+    (tmp_path / "release-c").touch()
+    assert c.wait(60) == 0
     assert stopped(server_pid)
-    assert not healthy(url_b)
-
-
-@pytest.mark.integration
-def test_a_server_left_by_a_killed_run_is_adopted(tmp_path):
-    home = tmp_path / "home"
-    a = start_holder(home, tmp_path / "never", tmp_path, "a")
-    url = wait_for_url(tmp_path / "a.log")
-    a.kill()  # SIGKILL: no cleanup, the server stays up with a dead user
-    a.wait()
-    server_pid = json.loads((home / "server.json").read_text())["pid"]
-    assert healthy(url)
-    b = start_holder(home, tmp_path / "release-b", tmp_path, "b")
-    assert wait_for_url(tmp_path / "b.log") == url
-    (tmp_path / "release-b").touch()
-    assert b.wait(60) == 0
-    assert stopped(server_pid)
-
-
-@pytest.mark.integration
-def test_the_ui_is_told_the_served_api_not_the_default_port(tmp_path):
-    """Unset, the server's /ui-settings says port 4200 and the UI shows "Can't connect to Server API"."""
-    home = tmp_path / "home"
-    a = start_holder(home, tmp_path / "release", tmp_path, "a")
-    url = wait_for_url(tmp_path / "a.log")
-    try:
-        assert not url.endswith(":4200/api")
-        with urllib.request.urlopen(url.removesuffix("/api") + "/ui-settings", timeout=10) as resp:
-            assert json.loads(resp.read())["api_url"] == url
-    finally:
-        (tmp_path / "release").touch()
-        assert a.wait(60) == 0
+    assert not healthy(url)
 
 
 AUTH = "chatlearn:pinned-7f3a9c"  # the test's basic-auth user:password; its password must be printed nowhere
