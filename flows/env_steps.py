@@ -14,6 +14,7 @@ from prefect_ray.context import remote_options
 
 from chatlearn.envs.render import renderer_for
 from chatlearn.envs.turns import StepResult, TurnSpec, step_conversations
+from chatlearn.models.hf.common import load_tokenizer
 from chatlearn.runtime.calls.handles import RefBox
 from chatlearn.runtime.calls.waiting import StageClock
 from chatlearn.runtime.prefect.ray_tasks import ray_task_runner
@@ -27,7 +28,7 @@ def env_step(batch: Any, envs: list[Any] | None, turn: int, index: int, spec: Tu
     data = ray.get(batch.refs[0], timeout=spec.timeout_s)
     # the task's function travels by value, what it calls by reference: a cache of this module's would make every
     # new worker import the `flows` package, and the run's machinery with it
-    return step_conversations(data, envs, turn, spec, renderer_for(spec.model_path), is_eval)
+    return step_conversations(data, envs, turn, spec, renderer_for(spec.model_path, load_tokenizer), is_eval)
 
 
 def step_envs(spec: TurnSpec, refs: list[Any], envs: list[Any], turn: int, is_eval: bool,

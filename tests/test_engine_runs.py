@@ -353,12 +353,14 @@ def test_a_rule_task_reaches_its_worker_without_the_flows_and_their_imports(pref
 
     context, flow_run_id = episode({"spec": "the run's context"})
     assert context["flow_run_context"]["parameters"] == context["task_run_context"]["parameters"] == {}
-    payload = ray.cloudpickle.dumps((rule_reward, env_step, context))
-    seen = subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
-                           "print(sorted(m for m in ('flows', 'transformers') if m in sys.modules))"],
-                          input=payload, capture_output=True, cwd=REPO, timeout=120)
-    assert seen.stdout.decode().split() == ["[]"], seen.stderr.decode()[-2000:]
-    with hydrated_context(pickle.loads(payload)[2]):
+    payload = ray.cloudpickle.dumps((rule_reward, context))
+    # the rule task and its context, then the env-step task (its tokenizer needs transformers, its flows nothing)
+    script = ("import pickle, sys\nfor part in pickle.loads(sys.stdin.buffer.read()):\n    pickle.loads(part)\n"
+              "    print(sorted(m for m in ('flows', 'transformers') if m in sys.modules))")
+    parts = pickle.dumps((payload, ray.cloudpickle.dumps(env_step)))
+    seen = subprocess.run([sys.executable, "-c", script], input=parts, capture_output=True, cwd=REPO, timeout=120)
+    assert seen.stdout.decode().splitlines() == ["[]", "['transformers']"], seen.stderr.decode()[-2000:]
+    with hydrated_context(pickle.loads(payload)[1]):
         assert FlowRunContext.get().flow.name == "episode" and str(FlowRunContext.get().flow_run.id) == flow_run_id
         assert TaskRunContext.get().task.name == "score"
 

@@ -19,6 +19,7 @@ two newlines, or between two spaces where the vocabulary has no newline (the cha
 
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 from chatlearn.tools.calls import RESPONSE_CLOSE, RESPONSE_OPEN, render_tool_response
@@ -102,9 +103,7 @@ class ObservationRenderer:
 
 
 @functools.lru_cache(maxsize=4)
-def renderer_for(model_path: str) -> "ObservationRenderer":
-    """The renderer of the policy's tokenizer at ``model_path``, loaded once per process (an ``env-step`` task's
-    Ray worker steps many batches)."""
-    from chatlearn.models.hf.common import load_tokenizer
-
+def renderer_for(model_path: str, load_tokenizer: Callable[[str], Any]) -> "ObservationRenderer":
+    """The renderer of the policy's tokenizer at ``model_path`` (loaded by ``load_tokenizer``), made once per
+    process: an ``env-step`` task's Ray worker steps many batches."""
     return ObservationRenderer(load_tokenizer(model_path))
