@@ -42,7 +42,7 @@ def rows_of(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_two_episodes_and_the_three_sources_of_old_logprobs(prefect_api, ray_session, tiny_model_dir, tmp_path):
+def test_grpo_two_episodes_and_the_current_old_logprobs(prefect_api, ray_session, tiny_model_dir, tmp_path):
     from flows import train_flow
 
     cfg = small("grpo", tmp_path, tiny_model_dir, "runtime.train_global_batch_size=32")
@@ -327,10 +327,11 @@ def test_rule_rewards_fan_out_as_prefect_tasks_on_ray_with_their_cpus(prefect_ap
 
 
 def test_a_rule_task_reaches_its_worker_without_the_flows_and_their_imports(prefect_api):
-    """What a rule-reward or env-step task's Ray worker unpickles (the task, its context) imports neither the
-    `flows` package nor transformers: the tasks travel by value, and their parent flow and stage task as stand-ins
-    of the same names, with no parameters (a run's first score stage spent 7 s on those imports in new workers,
-    the next 0.2 s). Hydrated, the context still names the parent flow run, flow and stage task."""
+    """What a rule-reward task's Ray worker unpickles (the task, its context) imports neither the `flows` package
+    nor transformers: the task travels by value, and its parent flow and stage task as stand-ins of the same
+    names, with no parameters (a run's first score stage spent 7 s on those imports in new workers, the next 0.2
+    s); an env-step task's imports transformers (its tokenizer's), not the `flows` package. Hydrated, the context
+    still names the parent flow run, flow and stage task."""
     import pickle
 
     import ray

@@ -124,8 +124,8 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
     other = answered_here("runtime.num_episode=1", "runtime.seed=7", "models.ppo_policy.args_dict.lr=1e-3")
     assert other.returncode == 2, other.stderr[-4000:]
     assert other.stderr.startswith(f"chatlearn: error: {run_dir} holds a run started with another config, which "
-                                   "differs in 2 fields that change results: models.ppo_policy.args_dict.lr: 0.0005 "
-                                   "in the run, 0.001 now; runtime.seed: 42 in the run, 7 now."), other.stderr
+                                   "differs in 2 fields that change results: models.ppo_policy.args_dict.lr: "
+                                   "0.0005 in the run, 0.001 now; runtime.seed: 42 in the run, 7 now."), other.stderr
     assert {p: (run_dir / p).read_bytes() for p in kept} == kept
 
     # a larger num_episode continues from the last episode's checkpoint (save_episode_interval is 10)
