@@ -13,9 +13,11 @@ import pytest
 from chatlearn.models.precision import KERNEL_CACHE_CAPACITY, bound_kernel_caches
 
 # a bf16 linear's forward and backward (three oneDNN kernels) over 300 row counts, as packed micro-batches of
-# 100..399 tokens would run it; RSS growth over the last 100 (the first 200 fill a bounded cache)
+# 100..399 tokens would run it; RSS growth over the last 100 (the first 200 fill a bounded cache), read after
+# malloc_trim: freed heap that glibc keeps would otherwise count as growth (it made a bound process look 20 MB
+# bigger here)
 GROWTH = """
-import json, sys
+import ctypes, json, sys
 import psutil, torch
 if sys.argv[1] == "bound":
     from chatlearn.models.torch_module import TorchModule
@@ -31,10 +33,13 @@ def step(rows):
     y.float().sum().backward()
 for rows in range(100, 300):
     step(rows)
-before = psutil.Process().memory_info().rss
+def rss():
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss
+before = rss()
 for rows in range(300, 400):
     step(rows)
-print(json.dumps((psutil.Process().memory_info().rss - before) / 2**20))
+print(json.dumps((rss() - before) / 2**20))
 """
 
 
@@ -50,9 +55,11 @@ def _growth_mb(mode: str) -> float:
 def test_a_bound_model_process_stops_growing_on_new_bf16_shapes():
     with ThreadPoolExecutor(2) as pool:
         unbounded, bound = pool.map(_growth_mb, ["plain", "bound"])
-    if unbounded < 60:  # the control: without the bound, 300 new kernels stay (about 110 MB on an AMX CPU)
-        pytest.skip(f"bf16 matmuls do not build oneDNN kernels per shape on this CPU (+{unbounded:.0f} MB unbounded)")
-    assert bound < 15, f"a bound process grew {bound:.0f} MB over 100 new shapes (unbounded: {unbounded:.0f} MB)"
+    # the control: without the bound, the 300 new kernels stay (13 MB on an AVX-512 CPU without AMX)
+    if unbounded < 5:
+        pytest.skip(f"bf16 matmuls do not build oneDNN kernels per shape on this CPU (+{unbounded:.1f} MB unbounded)")
+    assert bound < unbounded / 4, \
+        f"a bound process grew {bound:.1f} MB over 100 new shapes (unbounded: {unbounded:.1f} MB)"
 
 
 def test_capacities_the_user_set_are_kept():
