@@ -47,7 +47,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(2)
     from chatlearn.models.hf.common import load_causal_lm, load_tokenizer
-    from chatlearn.models.hf.policy import response_mask_from_eos
+    from chatlearn.models.hf.policy import response_mask_to_stop
     from chatlearn.models.hf.rollout import ROLLOUT_ENGINES, Request
 
     model, tok = load_causal_lm(args.model, args.dtype).eval(), load_tokenizer(args.model)
@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> None:
             response, _ = engine.generate(req)
         if i:  # the first is warm-up
             times.append(time.perf_counter() - t)
-            tokens = int(response_mask_from_eos(response, tok.eos_token_id).sum())
+            tokens = int(response_mask_to_stop(response, tok.eos_token_id).sum())
     Path(args.out).write_text(json.dumps({"seconds": times, "tokens": tokens, "peak_rss_mb": peak_rss_mb(),
                                           "startup_seconds": startup}))
 

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from chatlearn.models.hf.policy import PolicyInference, response_mask_from_eos
+from chatlearn.models.hf.policy import PolicyInference, response_mask_to_stop
 from chatlearn.models.hf.ppo_trainer import PPOPolicyTrainer, PPOValueTrainer
 from chatlearn.models.hf.reference import ReferenceModel
 from chatlearn.models.hf.reward import RuleReward
@@ -33,7 +33,7 @@ def rollout(tiny_model_dir):
 
 def test_response_mask_stops_after_first_eos():
     ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
-    assert response_mask_from_eos(ids, 2).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert response_mask_to_stop(ids, 2).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
 
 
 def test_generation_is_seeded_by_iteration(rollout):

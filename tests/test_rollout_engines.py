@@ -4,12 +4,14 @@ The models are the embedded tiny Llama and a tiny Qwen2 with tied embeddings and
 EOS's logit so responses end at many different lengths (what continuous batching is for).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from chatlearn.config import ConfigError, EngineChecks, load_config
 from chatlearn.models.hf.common import load_causal_lm, load_tokenizer
-from chatlearn.models.hf.policy import PolicyInference, response_mask_from_eos
+from chatlearn.models.hf.policy import PolicyInference, response_mask_to_stop
 from chatlearn.models.hf.rollout import (
     ROLLOUT_ENGINES,
     HFGenerate,
@@ -43,7 +45,7 @@ def make_request(tok, n: int, **kw) -> Request:
 
 
 def masked(response_ids: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = response_mask_from_eos(response_ids, eos)
+    mask = response_mask_to_stop(response_ids, eos)
     return torch.where(mask.bool(), response_ids, -1), mask
 
 
@@ -96,6 +98,104 @@ def test_the_policy_generates_the_same_samples_with_either_engine(tiny_model_dir
     assert cb["response"] == hf["response"]
     assert torch.equal(cb["response_ids"], hf["response_ids"]) and torch.equal(cb["response_mask"], hf["response_mask"])
     torch.testing.assert_close(cb["logprobs"], hf["logprobs"], atol=1e-5, rtol=0)
+
+
+def first_stops(tokens: torch.Tensor, mask: torch.Tensor, stops: tuple[int, ...]) -> list[int]:
+    """Each row's length when it ends at its first token of ``stops`` (kept), within its unstopped ``mask``."""
+    lengths = []
+    for row, m in zip(tokens.tolist(), mask.sum(-1).long().tolist(), strict=True):
+        hits = [i for i, t in enumerate(row[:m]) if t in stops]
+        lengths.append(hits[0] + 1 if hits else m)
+    return lengths
+
+
+def common_tokens(tokens: torch.Tensor, mask: torch.Tensor, skip: int, k: int) -> tuple[int, ...]:
+    """The ``k`` tokens drawn most often after the first step (not ``skip``): stops that cut many rows."""
+    counts = torch.bincount(tokens[:, 1:][mask[:, 1:].bool()])
+    counts[skip] = 0
+    return tuple(counts.topk(k).indices.tolist())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_tied_gqa"])
+def test_a_stop_token_ends_a_response_where_the_unstopped_draw_has_it_first(arch, tiny_model_dir, tiny_qwen2_dir):
+    """`Request.stop_token_ids` (the policy's `stop_token_list`): each engine ends a response at its first stop
+    token, kept as its last token, and what comes before is the draw without stops, token and log-prob (a token's
+    noise depends on its step only); before min_new_tokens a stop token is banned as EOS is."""
+    model, tok = eos_biased(tiny_model_dir if arch == "llama" else tiny_qwen2_dir, 0.0)  # long responses
+    free = make_request(tok, 12, do_sample=True, sample_ids=list(range(40, 52)), seed=5, max_num_seqs=4)
+    with torch.no_grad():
+        base, base_lp = ROLLOUT_ENGINES["hf"](model).generate(free)
+    _, base_mask = masked(base, tok.eos_token_id)
+    stops = common_tokens(base, base_mask, tok.eos_token_id, 3)
+    req = dataclasses.replace(free, stop_token_ids=stops)
+    assert req.stops == (tok.eos_token_id, *stops)
+    want = first_stops(base, base_mask, req.stops)
+    assert sum(w < m for w, m in zip(want, base_mask.sum(-1).long().tolist(), strict=True)) >= 6  # rows cut
+    for name in ("hf", "continuous"):
+        with torch.no_grad():
+            ids, lp = ROLLOUT_ENGINES[name](model).generate(req)
+        mask = response_mask_to_stop(ids, req.stops)
+        assert mask.sum(-1).long().tolist() == want, name
+        for row, n in enumerate(want):
+            assert torch.equal(ids[row, :n], base[row, :n]), name
+            assert (ids[row, n:] == tok.pad_token_id).all(), name  # the row stopped decoding there
+            torch.testing.assert_close(lp[row, :n], base_lp[row, :n], atol=1e-5, rtol=0)
+        with torch.no_grad():
+            late, _ = ROLLOUT_ENGINES[name](model).generate(dataclasses.replace(req, min_new_tokens=3))
+        assert not torch.isin(late[:, :3], torch.tensor(req.stops)).any(), name
+        assert (response_mask_to_stop(late, req.stops).sum(-1) < 24).any()  # the stops still end responses
+
+
+def test_stop_token_list_takes_chatlearns_string_and_refuses_what_is_not_one_token(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from chatlearn.models.hf.policy import PolicyArgs, stop_token_ids
+
+    tok = load_tokenizer(tiny_model_dir)  # character tokens; EOS is "</s>", id 2
+    where = "models.policy.args_dict.stop_token_list"
+    assert PolicyArgs(model_path=tiny_model_dir, stop_token_list="</s>;7").stop_token_list == ["</s>", "7"]
+    config = SimpleNamespace(eos_token_id=2)
+    assert stop_token_ids(tok, config, ["</s>", "7"], where) == (tok.convert_tokens_to_ids("7"),)  # EOS is EOS
+    # an id, a token's text, the generation config's other EOS ids (as vLLM and Hugging Face stop on them), once
+    assert stop_token_ids(tok, SimpleNamespace(eos_token_id=[2, 5]), [9, ",", 9], where) == (
+        5, 9, tok.convert_tokens_to_ids(","))
+    with pytest.raises(ValueError, match=rf"^{where}: '<EOS>' is 5 tokens of the policy's tokenizer "
+                                         r"\(\[3, 3, 3, 3, 23\]\), not one; stop strings of several tokens are "
+                                         "not supported yet"):
+        stop_token_ids(tok, config, ["<EOS>"], where)
+    with pytest.raises(ValueError, match=rf"^{where}: token id 50 is outside the tokenizer's 50 tokens"):
+        stop_token_ids(tok, config, [50], where)
+
+
+def test_the_policy_stops_at_its_stop_token_list_alike_in_either_engine(tiny_model_dir):
+    """`stop_token_list` on the policy: the samples are the unstopped ones cut after their first stop token, the
+    text keeps the stop token's text, and a partial rollout's response that ended at one is finished."""
+    def samples(engine, **args):
+        policy = PolicyInference("policy")
+        policy.bind(ModelConfig(num_cpu=1, args_dict={"model_path": tiny_model_dir, "max_new_tokens": 24,
+                                                       "max_num_seqs": 2, **args}),
+                    RuntimeConfig(rollout_engine=engine), 0, seed=7)
+        policy.setup()
+        batch = policy.collate_fn(policy.build_dataset(make_records(8, seed=3)))
+        batch["sample_id"] = list(range(20, 28))
+        batch["max_generate_token_length"] = [12] * 8  # a partial rollout's first round, of 12 of the 24 tokens
+        return policy.tokenizer, policy.forward_step(batch, iteration=2)
+
+    tok, free = samples("hf")
+    stops = common_tokens(free["response_ids"], free["response_mask"], tok.eos_token_id, 2)
+    texts = [tok.convert_ids_to_tokens(t) for t in stops]
+    want = first_stops(free["response_ids"], free["response_mask"], stops)
+    assert min(want) < 12
+    for engine in ("hf", "continuous"):
+        _, out = samples(engine, stop_token_list=";".join(texts))
+        assert out["response_mask"].sum(-1).long().tolist() == want
+        for row, n in enumerate(want):
+            assert torch.equal(out["response_ids"][row, :n], free["response_ids"][row, :n])
+            assert out["response"][row] == tok.decode(free["response_ids"][row, :n], skip_special_tokens=True)
+        # finished: the rows that stopped (at a stop token, or EOS) within the round's 12 tokens
+        assert out["rollout_finished"] == [int(out["response_ids"][row, n - 1]) in (tok.eos_token_id, *stops)
+                                           for row, n in enumerate(want)]
+        assert 0 < sum(out["rollout_finished"]) < 8
 
 
 def engine_problems(*overrides: str, config: str = DEFAULT) -> list[str]:

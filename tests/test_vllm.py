@@ -5,7 +5,9 @@ whose on-policy steps show that vLLM sampled on the trainer's weights."""
 import pytest
 import torch
 
+from chatlearn.models.hf.policy import response_mask_to_stop
 from tests.test_engine_runs import rows_of, small
+from tests.test_rollout_engines import first_stops
 
 ARCHITECTURES = ["tiny_model_dir", "tiny_qwen2_dir"]  # the embedded Llama; a tied GQA Qwen2
 
@@ -14,10 +16,9 @@ def trainer_logprobs(model, prompt_ids, prompt_mask, response_ids, temperature):
     """Each response token's log-prob as the trainers compute it (`response_logprobs`: temperature-scaled, whole
     vocabulary; 0 after a response's EOS, id 2)."""
     from chatlearn.models.hf.common import response_logprobs
-    from chatlearn.models.hf.policy import response_mask_from_eos
 
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-             "response_mask": response_mask_from_eos(response_ids, 2)}
+             "response_mask": response_mask_to_stop(response_ids, 2)}
     with torch.no_grad():
         return response_logprobs(model, batch, torch.device("cpu"), temperature)
 
@@ -35,10 +36,10 @@ def test_the_engine_samples_per_request_and_follows_the_models_weights(fixture, 
     ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7], [0, 9, 8, 7, 6]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
 
-    def generate(rows, sample_ids):
+    def generate(rows, sample_ids, stops=()):
         return engine.generate(Request(prompt_ids=ids[rows], prompt_mask=mask[rows], max_new_tokens=6,
                                        min_new_tokens=0, eos_token_id=2, pad_token_id=0, do_sample=True,
-                                       sample_ids=sample_ids, seed=7, temperature=0.7))
+                                       sample_ids=sample_ids, seed=7, temperature=0.7, stop_token_ids=stops))
 
     batch, logprobs = generate([0, 1, 2], [10, 11, 12])
     assert batch.shape == (3, 6)
@@ -50,6 +51,15 @@ def test_the_engine_samples_per_request_and_follows_the_models_weights(fixture, 
     pair, _ = generate([1, 2], [11, 12])
     alone, pair = (torch.nn.functional.pad(t, (0, 6 - t.shape[1])) for t in (alone, pair))  # pad id 0 to 6 tokens
     assert torch.equal(alone[0], batch[2]) and torch.equal(pair[1], batch[2]) and torch.equal(pair[0], batch[1])
+    # stop tokens (the policy's stop_token_list): each response is the unstopped draw up to and with its first one
+    stops = (int(batch[0, 2]), int(batch[1, 1]))
+    stopped, stopped_logprobs = generate([0, 1, 2], [10, 11, 12], stops)
+    want = first_stops(batch, response_mask_to_stop(batch, 2), (2, *stops))
+    assert want[0] <= 3 and want[1] <= 2
+    assert response_mask_to_stop(stopped, (2, *stops)).sum(-1).long().tolist() == want
+    for row, n in enumerate(want):
+        assert torch.equal(stopped[row, :n], batch[row, :n]) and (stopped[row, n:] == 0).all()
+        torch.testing.assert_close(stopped_logprobs[row, :n], logprobs[row, :n], atol=1e-5, rtol=0)
 
     # a continued response (a conversation's next turn, a partial rollout's next round): its prompt and first 3
     # tokens go in as token ids; the rest is drawn per request (the same alone) from the step it starts at, with
@@ -129,9 +139,7 @@ def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is
     out, out_logprobs = engine.generate(kept)
     torch.testing.assert_close(out_logprobs, trainer_logprobs(model, ids, mask, out, 1.0), atol=1e-4, rtol=0)
     assert not (out[:, :3] == 2).any()
-    from chatlearn.models.hf.policy import response_mask_from_eos
-
-    live = response_mask_from_eos(out, 2).long()  # (pad is id 0, a token the tiny model draws too)
+    live = response_mask_to_stop(out, 2).long()  # (pad is id 0, a token the tiny model draws too)
     with torch.no_grad():
         logits = model(input_ids=torch.cat([ids, out], 1), attention_mask=torch.cat([mask, live], 1)).logits
     steps = logits[:, ids.shape[1] - 1:-1].clone()

@@ -1,5 +1,8 @@
 """Inference policy: sampled generation with the KV cache, plus the sampler's own log-probs."""
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from pydantic import Field, field_validator
 from transformers import LogitsProcessorList
@@ -16,13 +19,20 @@ from chatlearn.models.hf.common import (
 from chatlearn.models.hf.rollout import ROLLOUT_ENGINES, PerSampleSampler, Request, RolloutEngine, make_engine
 from chatlearn.models.hf.vllm_engine import VLLMEngine  # noqa: F401  registers rollout_engine: vllm
 
-__all__ = ["PerSampleSampler", "PolicyArgs", "PolicyInference", "response_mask_from_eos"]
+__all__ = ["PerSampleSampler", "PolicyArgs", "PolicyInference", "response_mask_to_stop", "stop_token_ids"]
 
 
 class PolicyArgs(HFModelArgs):
     max_new_tokens: int = Field(16, gt=0, description="longest response, in tokens")
-    min_new_tokens: int = Field(0, ge=0, description="shortest response, in tokens: EOS cannot be drawn before "
-                                "(as Hugging Face's min_new_tokens); max_new_tokens on both gives fixed lengths")
+    min_new_tokens: int = Field(0, ge=0, description="shortest response, in tokens: EOS and the stop tokens cannot "
+                                "be drawn before (as Hugging Face's min_new_tokens and vLLM's min_tokens); "
+                                "max_new_tokens on both gives fixed lengths")
+    stop_token_list: list[str | int] | None = Field(
+        None, description="tokens that end a response besides EOS (ChatLearn's name): a list, or one string of them "
+        "split by ';' (ChatLearn's '<EOS>;</s>'); each one token of the policy's tokenizer, as its text or its id. A "
+        "response keeps the stop token it ended with (trained on, as EOS is), and its text keeps the token's text "
+        "unless the token is special. Stop strings of several tokens are not supported yet: each is refused by name. "
+        "The EOS ids of the model's generation config stop responses too (as vLLM and Hugging Face do)")
     top_k: int = Field(0, ge=-1, description="sample from the k most likely tokens (0 or vLLM's -1: all)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     prompt_key: str = Field("prompt", description="field of a data record that holds the prompt text")
@@ -56,11 +66,41 @@ class PolicyArgs(HFModelArgs):
     def _vllm_off(cls, value: int) -> int:
         return 0 if value == -1 else value  # vLLM's "off" is Hugging Face's 0
 
+    @field_validator("stop_token_list", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):  # ChatLearn's form: "<EOS>;</s>"
+            return [part for part in value.split(";") if part]
+        return value
 
-def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 for tokens up to and including the first EOS of each row, 0 after it."""
-    is_eos = (response_ids == eos_token_id).long()
-    seen_before = is_eos.cumsum(-1) - is_eos
+
+def stop_token_ids(tokenizer: Any, generation_config: Any, stop_token_list: list[str | int] | None,
+                   where: str) -> tuple[int, ...]:
+    """The ids that end a response besides the tokenizer's EOS: the generation config's other EOS ids, then each
+    entry of ``stop_token_list`` (a token's text, looked up in the vocabulary, else encoded to exactly one id; or
+    an id). ``where`` names the field in the ValueError for an entry that is not one token."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    vocab, size = tokenizer.get_vocab(), len(tokenizer)
+    for entry in stop_token_list or []:
+        if isinstance(entry, int):
+            if not 0 <= entry < size:
+                raise ValueError(f"{where}: token id {entry} is outside the tokenizer's {size} tokens")
+            ids.append(entry)
+            continue
+        encoded = [vocab[entry]] if entry in vocab else tokenizer.encode(entry, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"{where}: {entry!r} is {len(encoded)} tokens of the policy's tokenizer ({encoded}), "
+                             "not one; stop strings of several tokens are not supported yet: list single tokens")
+        ids.append(encoded[0])
+    return tuple(dict.fromkeys(i for i in ids if i != tokenizer.eos_token_id))
+
+
+def response_mask_to_stop(response_ids: torch.Tensor, stops: int | Sequence[int]) -> torch.Tensor:
+    """1 for tokens up to and including the first stop token (EOS, or any of ``stops``) of each row, 0 after it."""
+    stops = torch.tensor([stops] if isinstance(stops, int) else list(stops), dtype=response_ids.dtype)
+    is_stop = torch.isin(response_ids, stops.to(response_ids.device)).long()
+    seen_before = is_stop.cumsum(-1) - is_stop
     return (seen_before == 0).float()
 
 
@@ -124,6 +164,8 @@ class PolicyInference(HFModule):
         self.rollout: RolloutEngine = make_engine(
             self.runtime_args.rollout_engine, self.model, f"models.{self.name} ({self.args.model_path})",
             stages=self._generate_in_stages if self.pipelined else None, args=self.args)
+        self.stop_token_ids = stop_token_ids(self.tokenizer, self.model.generation_config, self.args.stop_token_list,
+                                             f"models.{self.name}.args_dict.stop_token_list")
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         super().set_weights(weights)
@@ -161,11 +203,11 @@ class PolicyInference(HFModule):
             prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
             max_new_tokens=max_new_tokens, min_new_tokens=self.args.min_new_tokens,
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-            do_sample=do_sample, sample_ids=data.get("sample_id"), seed=self.seed,
+            stop_token_ids=self.stop_token_ids, do_sample=do_sample, sample_ids=data.get("sample_id"), seed=self.seed,
             temperature=self.args.temperature, top_k=self.args.top_k, top_p=self.args.top_p,
             max_num_seqs=self.args.max_num_seqs, first_steps=done.tolist() if done is not None else None)
         response_ids, logprobs = self.rollout.generate(req)
-        mask = response_mask_from_eos(response_ids, self.tokenizer.eos_token_id)
+        mask = response_mask_to_stop(response_ids, req.stops)
         if done is not None:  # the whole response: the earlier rounds' tokens, then this round's
             response_ids, logprobs, mask = _joined(data, done, response_ids, logprobs, mask,
                                                    self.tokenizer.pad_token_id)
@@ -185,7 +227,7 @@ class PolicyInference(HFModule):
             out["loss_mask"] = kept
         if "max_generate_token_length" in data:  # partial rollouts: where each response stands
             lengths = mask.sum(-1).long()
-            ended = [n > 0 and ids[n - 1] == self.tokenizer.eos_token_id
+            ended = [n > 0 and ids[n - 1] in req.stops
                      for ids, n in zip(response_ids.tolist(), lengths.tolist(), strict=True)]
             out["rollout_finished"] = [e or n >= self.args.max_new_tokens
                                        for e, n in zip(ended, lengths.tolist(), strict=True)]
@@ -206,29 +248,31 @@ class PolicyInference(HFModule):
 
     @torch.no_grad()
     def _generate_in_stages(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                            pad_token_id: int, eos_token_id: int, do_sample: bool = False,
+                            pad_token_id: int, eos_token_id: int | list[int], do_sample: bool = False,
                             logits_processor: LogitsProcessorList | None = None, min_new_tokens: int = 0,
                             **_: object) -> torch.Tensor:
         """Generation through pipeline stages, simply: every step runs the whole sequence through the stages
         (no KV cache), then picks tokens as ``generate`` does (the logits processors, argmax; finished rows
-        get padding). Every stage calls it with the same batch and gets the same tokens."""
+        get padding; ``eos_token_id``: every stop id, as ``generate`` takes them). Every stage calls it with the
+        same batch and gets the same tokens."""
         if do_sample:
             raise NotImplementedError("pipeline-parallel generation samples through the per-sample sampler "
                                       "only (sample ids); eval_do_sample is not supported with it yet")
         ids, mask = input_ids, attention_mask
+        stops = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=ids.device)
         unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
         for step in range(max_new_tokens):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             scores = self.infer_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1, :].float()
             if step < min_new_tokens:
-                scores[:, eos_token_id] = float("-inf")
+                scores[:, stops] = float("-inf")
             if logits_processor is not None:
                 scores = logits_processor(ids, scores)
             nxt = torch.where(unfinished, scores.argmax(-1), torch.full_like(unfinished, pad_token_id,
                                                                                 dtype=torch.long))
             ids = torch.cat([ids, nxt[:, None]], 1)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-            unfinished &= nxt != eos_token_id
+            unfinished &= ~torch.isin(nxt, stops)
             if not unfinished.any():
                 break
         return ids

@@ -5,10 +5,12 @@ makes one in its setup with its Hugging Face model (:func:`make_engine`) and cal
 
 * it gets the model (``cls(model, stages=None)``; ``stages``: the pipeline stages' generate loop, called like
   ``model.generate``, only for an engine that declares ``pipeline_stages``) and a :class:`Request` per batch
-  (left-padded prompt ids and mask, the token budget, EOS/pad ids, and how to pick tokens);
+  (left-padded prompt ids and mask, the token budget, the stop ids (EOS and the others, ``Request.stops``), the
+  pad id, and how to pick tokens);
 * it returns ``generate(request) -> (response_ids, logprobs)``: the response ids ``[B, R]`` (R: the longest
-  response; what follows a row's EOS is padding the policy masks) and the sampled tokens' log-probs ``[B, R]``
-  (None when the per-sample sampler did not draw them: the policy then scores the responses itself);
+  response; a row ends at its first stop token, which it keeps; what follows is padding the policy masks) and
+  the sampled tokens' log-probs ``[B, R]`` (None when the per-sample sampler did not draw them: the policy then
+  scores the responses itself);
 * it declares, for the config check (`chatlearn.config.engine_checks`, which knows no engine by name and asks
   the class): ``problems(cfg, model)``, why it cannot generate for ``models.<model>`` of that config (one line
   each, naming the field; the base refuses pipeline stages unless ``pipeline_stages``), and for the loaded model
@@ -93,6 +95,8 @@ class Request:
     min_new_tokens: int
     eos_token_id: int
     pad_token_id: int
+    # tokens that end a response besides EOS (the policy's `stop_token_list`, the generation config's other EOS ids)
+    stop_token_ids: tuple[int, ...] = ()
     do_sample: bool = False
     sample_ids: list[int] | None = None
     seed: int = 0
@@ -101,8 +105,14 @@ class Request:
     top_p: float = 1.0
     max_num_seqs: int = 256
     # a continued response (partial rollouts): each row's tokens so far are the end of its prompt, and its new
-    # tokens are response steps first_steps[i], first_steps[i] + 1, ... (the sampler's noise, the EOS ban)
+    # tokens are response steps first_steps[i], first_steps[i] + 1, ... (the sampler's noise, the stop tokens' ban)
     first_steps: list[int] | None = None
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        """Every token that ends a response (kept as its last token), EOS first; none can be drawn before
+        ``min_new_tokens``."""
+        return (self.eos_token_id, *(t for t in self.stop_token_ids if t != self.eos_token_id))
 
 
 class RolloutEngine:
@@ -179,30 +189,30 @@ def kv_cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def ban_eos(scores: torch.Tensor, steps: list[int], min_new_tokens: int, eos_token_id: int | None) -> torch.Tensor:
-    """``scores`` with EOS at -inf in the rows whose response step is before ``min_new_tokens`` (a copy when
-    any row is banned: the caller's scores stay as they were)."""
-    if eos_token_id is None or not min_new_tokens:
+def ban_stops(scores: torch.Tensor, steps: list[int], min_new_tokens: int, stops: tuple[int, ...]) -> torch.Tensor:
+    """``scores`` with the stop tokens at -inf in the rows whose response step is before ``min_new_tokens`` (a
+    copy when any row is banned: the caller's scores stay as they were)."""
+    if not stops or not min_new_tokens:
         return scores
     banned = torch.tensor([s < min_new_tokens for s in steps], device=scores.device)
     if banned.any():
         scores = scores.clone()
-        scores[banned, eos_token_id] = float("-inf")
+        scores[banned.nonzero(), torch.tensor(stops, device=scores.device)] = float("-inf")
     return scores
 
 
 def perturb(scores: torch.Tensor, seed: int, sample_ids: list[int], steps: list[int], temperature: float,
-            top_k: int, top_p: float, min_new_tokens: int, eos_token_id: int | None
+            top_k: int, top_p: float, min_new_tokens: int, stops: tuple[int, ...]
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-sample sampler's scores and the full log-softmax for rows at response steps ``steps``.
 
     Gumbel-max: argmax(logits / T + Gumbel noise) is an exact draw from softmax(logits / T) (after top-k/top-p
-    and the EOS ban before ``min_new_tokens``). The noise of row i comes from a generator seeded by
-    (seed, sample_ids[i], steps[i]). The log-softmax is over the whole vocabulary (no top-k/top-p, no EOS ban):
+    and the stop tokens' ban before ``min_new_tokens``). The noise of row i comes from a generator seeded by
+    (seed, sample_ids[i], steps[i]). The log-softmax is over the whole vocabulary (no top-k/top-p, no ban):
     what the trainers compute, so the drawn token's entry is the log-prob the trainer will see."""
     scores = scores.float() / temperature
     full = scores.log_softmax(-1)
-    scores = ban_eos(scores, steps, min_new_tokens, eos_token_id)
+    scores = ban_stops(scores, steps, min_new_tokens, stops)
     vocab = scores.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
@@ -225,16 +235,16 @@ class PerSampleSampler:
     ``generate``, where every row is at the same step. `prompt_width` is the batch's padded prompt length
     (where the response starts in `input_ids`). It keeps the drawn tokens' log-probs (`logprobs()`). It needs
     the model's own logits: `min_new_tokens` is applied here, after they are read, not by Hugging Face's
-    processor (which would run before this one and hide EOS's logit)."""
+    processor (which would run before this one and hide the stop tokens' logits)."""
 
     def __init__(self, seed: int, sample_ids: list[int], temperature: float, top_k: int, top_p: float,
-                 prompt_width: int = 0, min_new_tokens: int = 0, eos_token_id: int | None = None,
+                 prompt_width: int = 0, min_new_tokens: int = 0, stops: tuple[int, ...] = (),
                  first_steps: list[int] | None = None):
         self.seed, self.sample_ids = seed, list(sample_ids)
         self.first_steps = list(first_steps) if first_steps is not None else [0] * len(self.sample_ids)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.prompt_width = prompt_width
-        self.min_new_tokens, self.eos_token_id = min_new_tokens, eos_token_id
+        self.min_new_tokens, self.stops = min_new_tokens, stops
         self._logprobs: list[torch.Tensor] = []
 
     def logprobs(self, length: int) -> torch.Tensor:
@@ -249,7 +259,7 @@ class PerSampleSampler:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
         out, full = perturb(scores, self.seed, self.sample_ids, [step + f for f in self.first_steps],
-                            self.temperature, self.top_k, self.top_p, self.min_new_tokens, self.eos_token_id)
+                            self.temperature, self.top_k, self.top_p, self.min_new_tokens, self.stops)
         # greedy decoding takes the argmax of what this returns: that token's log-prob, unbanned and unclipped
         if len(self._logprobs) == step:
             self._logprobs.append(full.gather(-1, out.argmax(-1, keepdim=True)).squeeze(-1).cpu())
@@ -259,7 +269,7 @@ class PerSampleSampler:
 @register_rollout_engine("hf")
 class HFGenerate(RolloutEngine):
     """Hugging Face ``generate`` over the whole batch (with ``stages``: the pipeline stages' loop, called like it).
-    Padding after EOS is whatever generate wrote; the log-probs are None when not sampled per sample."""
+    Padding after a stop token is whatever generate wrote; the log-probs are None when not sampled per sample."""
 
     pipeline_stages = True
 
@@ -269,16 +279,16 @@ class HFGenerate(RolloutEngine):
         if req.do_sample and req.sample_ids is not None:
             sampler = PerSampleSampler(req.seed, req.sample_ids, req.temperature, req.top_k, req.top_p,
                                        prompt_width=req.prompt_ids.shape[1], min_new_tokens=min_new_tokens,
-                                       eos_token_id=req.eos_token_id, first_steps=req.first_steps)
+                                       stops=req.stops, first_steps=req.first_steps)
             kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
-            min_new_tokens = 0  # the sampler bans EOS itself, after reading its logit
+            min_new_tokens = 0  # the sampler bans the stop tokens itself, after reading their logits
         elif req.do_sample:
             kwargs = dict(do_sample=True, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         else:
             kwargs = dict(do_sample=False)
         out = (self.stages or self.model.generate)(
             input_ids=req.prompt_ids, attention_mask=req.prompt_mask, max_new_tokens=req.max_new_tokens,
-            min_new_tokens=min_new_tokens, pad_token_id=req.pad_token_id, eos_token_id=req.eos_token_id,
+            min_new_tokens=min_new_tokens, pad_token_id=req.pad_token_id, eos_token_id=list(req.stops),
             use_cache=True, **kwargs,
         ).cpu()
         response_ids = out[:, req.prompt_ids.shape[1]:]
@@ -400,6 +410,7 @@ class ContinuousBatching(RolloutEngine):
         device = req.prompt_ids.device
         n = req.prompt_ids.shape[0]
         sample = req.do_sample
+        stops = req.stops
         sample_ids = list(req.sample_ids) if req.sample_ids is not None else list(range(n))
         first = list(req.first_steps) if req.first_steps is not None else [0] * n
         prompts = [row[m.bool()] for row, m in zip(req.prompt_ids, req.prompt_mask, strict=True)]
@@ -416,10 +427,10 @@ class ContinuousBatching(RolloutEngine):
             steps = [len(tokens[i]) + first[i] for i in rows]
             if sample:
                 out, full = perturb(logits, req.seed, [sample_ids[i] for i in rows], steps, req.temperature,
-                                    req.top_k, req.top_p, req.min_new_tokens, req.eos_token_id)
+                                    req.top_k, req.top_p, req.min_new_tokens, stops)
                 nxt = out.argmax(-1)
                 return nxt, full.gather(-1, nxt[:, None]).squeeze(-1)
-            return ban_eos(logits.float(), steps, req.min_new_tokens, req.eos_token_id).argmax(-1), None
+            return ban_stops(logits.float(), steps, req.min_new_tokens, stops).argmax(-1), None
 
         def record(rows: list[int], nxt: torch.Tensor, lp: torch.Tensor | None) -> list[int]:
             """Append each row's token; returns the positions (in ``rows``) of the sequences that ended."""
@@ -429,7 +440,7 @@ class ContinuousBatching(RolloutEngine):
                 tokens[i].append(tok)
                 if lps is not None:
                     logps[i].append(lps[pos])
-                if tok == req.eos_token_id or len(tokens[i]) >= req.max_new_tokens:
+                if tok in stops or len(tokens[i]) >= req.max_new_tokens:
                     ended.append(pos)
             return ended
 

@@ -161,10 +161,10 @@ class VLLMEngine(RolloutEngine):
                    for ids, mask in zip(req.prompt_ids.cpu(), req.prompt_mask.cpu(), strict=True)]
         firsts = req.first_steps if req.first_steps is not None else [0] * len(prompts)
         sampled = req.do_sample and req.sample_ids is not None
-        common = dict(max_tokens=req.max_new_tokens, stop_token_ids=[req.eos_token_id], ignore_eos=False,
+        common = dict(max_tokens=req.max_new_tokens, stop_token_ids=list(req.stops), ignore_eos=False,
                       skip_special_tokens=False, detokenize=False, logprobs=0 if sampled else None)
-        # EOS is banned for a response's first min_new_tokens tokens, counted from its start: a continued one has
-        # `first` of them already
+        # the stop tokens are banned for a response's first min_new_tokens tokens, counted from its start: a
+        # continued one has `first` of them already
         least = [max(0, req.min_new_tokens - first) for first in firsts]
         if sampled:
             asked = _filters(lambda name: getattr(req, name))
