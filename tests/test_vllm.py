@@ -196,3 +196,53 @@ def test_multi_turn_agent_with_vllm_continues_conversations_as_token_ids(prefect
     [row] = rows_of(tmp_path / cfg.runtime.exp_name)
     assert row["num_samples"] == 32 and 1.0 < row["turns_mean"] <= 4.0, row
     assert row["rollout_logprob_diff_max"] < 1e-4 and row["rollout_kl"] < 1e-8, row
+
+
+@pytest.mark.integration
+def test_a_stuck_engine_hits_the_stage_deadline_and_its_process_goes(ray_session, tiny_model_dir, tmp_path):
+    """The policy's process frozen (SIGSTOP: as an engine stuck in a kernel or a lock, it neither answers nor dies):
+    the generate stage's wait ends at `runtime.stage_timeout_s` with one line naming the episode, the stage and the
+    policy, and the run's teardown takes the frozen process, vLLM's engine in it, down."""
+    import os
+    import signal
+    import time
+
+    import psutil
+    import ray
+
+    from chatlearn.config import load_config
+    from chatlearn.models.hf.policy import PolicyInference
+    from chatlearn.runtime.calls.waiting import StageClock, StageTimeout
+    from chatlearn.runtime.cluster.model_group import cluster_nodes, setup_models, start_workers
+    from chatlearn.runtime.cluster.placement import plan_placement
+    from chatlearn.tasks.max_digit import make_records
+
+    cfg = load_config({"models": {"policy": {"num_cpu": 1, "args_dict": {"model_path": tiny_model_dir,
+                                                                          "max_new_tokens": 8}}},
+                       "runtime": {"rollout_engine": "vllm", "output_dir": str(tmp_path), "exp_name": "stuck"}},
+                      checks=[])
+    nodes, ids = cluster_nodes()
+    modules = {"policy": PolicyInference("policy")}
+    workers = start_workers(plan_placement(cfg, list(modules), nodes), ids, cfg, modules)
+    try:
+        [info] = setup_models(workers, True, 600)["policy"]
+        head = workers.groups["policy"].heads[0]
+        clock = StageClock("generate", 0, timeout_s=60.0)
+        clock.get(head.build_dataset.remote(make_records(4, seed=1)))  # a handle's call: a `Call` of its ranks
+        call = head.generate.remote([0, 1, 2, 3], 0, sample_ids=[0, 1, 2, 3])
+        assert clock.get(call) is True  # a batch stays where it was made: its ref is the call's `batch`
+        assert ray.get(call.batch)["response_ids"].shape[0] == 4  # the engine answers
+        process = psutil.Process(info["pid"])
+        os.kill(info["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(StageTimeout) as err:
+            StageClock("generate", 0, timeout_s=3.0).get(head.generate.remote([0, 1], 1, sample_ids=[4, 5]))
+        assert str(err.value) == ("episode 1, generate: no result after 3 s from policy (runtime.stage_timeout_s); "
+                                  "the model is stuck or the limit is too low")
+        assert time.monotonic() - t0 < 10
+    finally:
+        workers.kill()
+    gone = time.monotonic() + 30
+    while time.monotonic() < gone and process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.2)
+    assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE, "the frozen process is left"
