@@ -3,18 +3,18 @@
 
 After an episode's generation, what the driver holds (a `RolloutBuffer`, checkpointed with the episode):
 
-* ``unfinished``: responses that used their round's budget without EOS; the next episode continues them on its
-  weights (the policy reads their tokens so far as the ends of their prompts; the per-sample sampler draws
-  their later tokens with the noise of the same response steps, so on unchanged weights a response continued
-  in later rounds is the response generated at once);
+* ``unfinished``: responses that used their round's budget without a stop token (EOS, the policy's
+  ``stop_token_list``); the next episode continues them on its weights (the policy reads their tokens so far as
+  the ends of their prompts; the per-sample sampler draws their later tokens with the noise of the same response
+  steps, so on unchanged weights a response continued in later rounds is the response generated at once);
 * ``waiting``: finished responses whose prompt group is not finished yet.
 
-A response is finished when it ends with EOS, reaches ``max_new_tokens``, or has had its last round. ChatLearn's
-rule moves a prompt's finished responses to scoring and training once more than ``mini_response_per_prompt`` of
-its group are finished, and each response that finishes after that at once. The default here,
-``num_inference_per_prompt - 1``, waits for the whole group, so group advantages are over the whole group, as in
-a run without partial rollouts. A smaller value trains a group in parts, as ChatLearn does: each part's
-advantages are normalised over that part (the score stage sees one part of a group in a batch; a batch holds
+A response is finished when it ends with a stop token, reaches ``max_new_tokens``, or has had its last round.
+ChatLearn's rule moves a prompt's finished responses to scoring and training once more than
+``mini_response_per_prompt`` of its group are finished, and each response that finishes after that at once. The
+default here, ``num_inference_per_prompt - 1``, waits for the whole group, so group advantages are over the
+whole group, as in a run without partial rollouts. A smaller value trains a group in parts, as ChatLearn does:
+each part's advantages are normalised over that part (the score stage sees one part of a group in a batch; a batch holds
 parts of one size), so a response that finishes alone after its group was released scores 0 against itself.
 Unlike ChatLearn's manager (``random.shuffle``, unseeded), the order is fixed: groups by id, responses by sample
 id, so a re-run after a crash makes the same batches.
