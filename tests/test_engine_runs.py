@@ -116,8 +116,8 @@ RESUME_EXTRA = {"grpo": ["runtime.rollout_engine=continuous", "models.policy.arg
                 # online DPO with LoRA generates on vLLM: the merged weights pushed into it, a new engine after
                 # the kill drawing what the killed run's would have (per-request seeds)
                 "online_dpo": ["runtime.rollout_engine=vllm"],
-                # three episodes, so a later one generates while the killed one trains; longer responses than
-                # the shipped 2 tokens, so generation takes long enough for the overlap to show
+                # three episodes, so a later one generates while the killed one trains; responses of up to 12
+                # tokens (the shipped 16, for time), so generation takes long enough for the overlap to show
                 "grpo_async": ["runtime.num_episode=3", "models.policy.args_dict.max_new_tokens=12"],
                 # the eval's conversations too, after episode 2
                 "agent_higher_lower": ["runtime.eval_episode_interval=2"]}
