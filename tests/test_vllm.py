@@ -162,17 +162,24 @@ def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is
         assert "kv_cache_space_gb" in message and said in message, message
 
 
+# the Llama's policy (vLLM in it) in a process of its own, synced over the collective route (gloo broadcast); the
+# Qwen2's colocated with the trainer (an in-process copy)
+LAYOUTS = {"tiny_model_dir": ["runtime.colocation=['reference,reward,ppo_policy']"], "tiny_qwen2_dir": []}
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("fixture", ARCHITECTURES)
 def test_grpo_with_vllm_trains_on_the_weights_it_sampled_with(prefect_api, ray_session, fixture, request, tmp_path):
     """Two GRPO episodes, one step each, the trainer scoring the samples (`old_logprobs: trainer`): the episode's
     mismatch metrics compare vLLM's log-probs with the trainer's, token by token, and are ~0 only if vLLM sampled
-    on the trainer's weights, episode 2 on those synced after episode 1. On the Llama and on the tied GQA Qwen2
-    (its one embedding matrix, trained as the output layer too, reaches vLLM's tied head)."""
+    on the trainer's weights, episode 2 on those synced after episode 1. On the Llama, its policy a replica of its
+    own that the weights reach over gloo, and on the tied GQA Qwen2, colocated (its one embedding matrix, trained
+    as the output layer too, reaches vLLM's tied head)."""
     from flows import train_flow
 
     cfg = small("grpo", tmp_path, request.getfixturevalue(fixture), "runtime.train_global_batch_size=32",
-                "runtime.rollout_engine=vllm", "models.ppo_policy.args_dict.old_logprobs=trainer")
+                "runtime.rollout_engine=vllm", "models.ppo_policy.args_dict.old_logprobs=trainer", *LAYOUTS[fixture])
+    assert ("policy" in cfg.runtime.colocation[0].split(",")) == (fixture == "tiny_qwen2_dir")
     train_flow(cfg)
     rows = rows_of(tmp_path / cfg.runtime.exp_name)
     assert [r["episode"] for r in rows] == [1, 2] and all(r["num_samples"] == 32 for r in rows)
