@@ -165,6 +165,19 @@ def test_stop_token_list_takes_chatlearns_string_and_refuses_what_is_not_one_tok
         stop_token_ids(tok, config, ["<EOS>"], where)
     with pytest.raises(ValueError, match=rf"^{where}: token id 50 is outside the tokenizer's 50 tokens"):
         stop_token_ids(tok, config, [50], where)
+    # from a config: refused by the preflight, before anything starts, in one line naming the field
+    from chatlearn.data.preflight import check_model_files
+
+    cfg = load_config(DEFAULT, [f"models.policy.args_dict.model_path={tiny_model_dir}",
+                                "models.policy.args_dict.stop_token_list=7;<EOS>"], checks=[])
+    assert cfg.models["policy"].args_dict["stop_token_list"] == "7;<EOS>"
+    with pytest.raises(ConfigError) as err:
+        check_model_files(cfg, {"policy": PolicyInference("policy")})
+    assert err.value.problems == [f"{where}: '<EOS>' is 5 tokens of the policy's tokenizer ([3, 3, 3, 3, 23]), "
+                                  "not one; stop strings of several tokens are not supported yet: list single tokens"]
+    ok = load_config(DEFAULT, [f"models.policy.args_dict.model_path={tiny_model_dir}",
+                               "models.policy.args_dict.stop_token_list=7;</s>"], checks=[])
+    check_model_files(ok, {"policy": PolicyInference("policy")})
 
 
 def test_the_policy_stops_at_its_stop_token_list_alike_in_either_engine(tiny_model_dir):

@@ -7,6 +7,7 @@ import torch
 from pydantic import Field, field_validator
 from transformers import LogitsProcessorList
 
+from chatlearn.config import ModelConfig
 from chatlearn.data.records import Records
 from chatlearn.models.hf.common import (
     HFModelArgs,
@@ -166,6 +167,19 @@ class PolicyInference(HFModule):
             stages=self._generate_in_stages if self.pipelined else None, args=self.args)
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.model.generation_config, self.args.stop_token_list,
                                              f"models.{self.name}.args_dict.stop_token_list")
+
+    def check_files(self, module_args: ModelConfig) -> list[str]:
+        """The model files' problems, then the stop tokens' (each entry of `stop_token_list` one token of the
+        tokenizer): found by the preflight, before anything starts, as one line each."""
+        problems = super().check_files(module_args)
+        args = self.args_schema.model_validate(module_args.args_dict or {})
+        if problems or not args.stop_token_list:
+            return problems
+        try:
+            stop_token_ids(load_tokenizer(args.model_path), None, args.stop_token_list, "args_dict.stop_token_list")
+        except ValueError as exc:
+            return [str(exc)]
+        return []
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         super().set_weights(weights)
