@@ -396,7 +396,9 @@ def _serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        cpu_limit = int(usage.ru_utime + usage.ru_stime + request["cpu_s"]) + 1  # SIGXCPU ends it, even orphaned
+        # SIGXCPU ends it, even orphaned: a backstop well past the parent's wall-clock kill at cpu_s, so that a
+        # parent scheduled late on a loaded machine still kills it first
+        cpu_limit = int(usage.ru_utime + usage.ru_stime + 2 * request["cpu_s"]) + 2
         if hard_cpu == resource.RLIM_INFINITY or cpu_limit < hard_cpu:
             resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, hard_cpu))
         try:
