@@ -32,9 +32,11 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULT = BENCH / "results" / "rollout.json"
+# "vllm-gomp": vllm in a process without the OpenMP a run's policy process starts with (VLLMEngine.process_env),
+# torch's own instead: what that preload is worth
 MODES = {"variable": [("hf", 0), ("continuous", 64), ("continuous", 128), ("continuous", 256), ("vllm", 0)],
          "default": [("hf", 0), ("continuous", 256), ("vllm", 0)],
-         "qwen0.5b": [("hf", 0), ("continuous", 32), ("vllm", 0)]}
+         "qwen0.5b": [("hf", 0), ("continuous", 32), ("vllm", 0), ("vllm-gomp", 0)]}
 # Qwen2.5-0.5B's shapes (tied, 14 heads over 2 KV heads, the vocabulary padded to 151,936 rows past the
 # tokenizer's), random init, bf16 where the CPU has it: a model of the size users start RL from
 QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -55,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     enc = tok(prompts, padding=True, return_tensors="pt")
     times, tokens = [], 0
     start = time.perf_counter()
-    engine = ROLLOUT_ENGINES[args.engine](model)  # once, as the policy makes it in its setup
+    engine = ROLLOUT_ENGINES[args.engine.split("-")[0]](model)  # once, as the policy makes it in its setup
     startup = time.perf_counter() - start
     for i in range(args.repeat + 1):
         req = Request(enc["input_ids"], enc["attention_mask"], args.new_tokens, 0, tok.eos_token_id,
@@ -85,7 +87,11 @@ def run_mode(work: Path, name: str, engine: str, slots: int, model: Path, data: 
     cmd = [sys.executable, __file__, "--worker", "--engine", engine, "--slots", str(slots), "--model", str(model),
            "--data", str(data), "--key", key, "--batch", str(batch), "--new-tokens", str(new_tokens),
            "--repeat", str(repeat), "--out", str(out), "--dtype", dtype]
-    subprocess.run(cmd, check=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    from chatlearn.models.hf.policy import ROLLOUT_ENGINES  # the policy's registry: vllm's engine registered
+
+    # the environment a run's policy process starts with for this engine (vllm: Intel's OpenMP preloaded)
+    own = ROLLOUT_ENGINES[engine].process_env() if engine in ROLLOUT_ENGINES else {}
+    subprocess.run(cmd, check=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="2", **own))
     got = json.loads(out.read_text())
     med = statistics.median(got["seconds"])
     return {"engine": engine, "max_num_seqs": slots or None, "seconds": med, "tokens": got["tokens"],

@@ -162,6 +162,19 @@ def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is
         assert "kv_cache_space_gb" in message and said in message, message
 
 
+def test_the_engine_asks_for_intel_openmp_unless_the_environment_names_an_openmp(monkeypatch):
+    """vLLM's CPU build on x86 wants Intel's OpenMP preloaded: the policy's process is started with it (the stuck
+    engine's test below finds it mapped there), unless the run's own LD_PRELOAD already names an OpenMP."""
+    import sys
+
+    from chatlearn.models.hf.vllm_engine import VLLMEngine
+
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libfoo.so")
+    assert VLLMEngine.process_env() == {"LD_PRELOAD": f"{sys.prefix}/lib/libiomp5.so:/opt/libfoo.so"}
+    monkeypatch.setenv("LD_PRELOAD", "/somewhere/torch/lib/libgomp.so.1")
+    assert VLLMEngine.process_env() == {}
+
+
 # the Llama's policy (vLLM in it) in a process of its own, synced over the collective route (gloo broadcast); the
 # Qwen2's colocated with the trainer (an in-process copy)
 LAYOUTS = {"tiny_model_dir": ["runtime.colocation=['reference,reward,ppo_policy']"], "tiny_qwen2_dir": []}
@@ -219,6 +232,7 @@ def test_a_stuck_engine_hits_the_stage_deadline_and_its_process_goes(ray_session
 
     from chatlearn.config import load_config
     from chatlearn.models.hf.policy import PolicyInference
+    from chatlearn.models.hf.vllm_engine import VLLMEngine
     from chatlearn.runtime.calls.waiting import StageClock, StageTimeout
     from chatlearn.runtime.cluster.model_group import cluster_nodes, setup_models, start_workers
     from chatlearn.runtime.cluster.placement import plan_placement
@@ -240,6 +254,9 @@ def test_a_stuck_engine_hits_the_stage_deadline_and_its_process_goes(ray_session
         assert clock.get(call) is True  # a batch stays where it was made: its ref is the call's `batch`
         assert ray.get(call.batch)["response_ids"].shape[0] == 4  # the engine answers
         process = psutil.Process(info["pid"])
+        # the process started with Intel's OpenMP preloaded (VLLMEngine.process_env), as vLLM's CPU docs set it
+        [preload] = VLLMEngine.process_env()["LD_PRELOAD"].split(":")[:1]
+        assert preload.endswith("libiomp5.so") and preload in {m.path for m in process.memory_maps()}
         os.kill(info["pid"], signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(StageTimeout) as err:

@@ -62,6 +62,12 @@ class BaseModule:
         from); ``plan`` is the run's episode plan (`chatlearn.runtime.plan.EpisodePlan`)."""
         return []
 
+    def process_env(self, runtime_args: RuntimeConfig) -> dict[str, str]:
+        """Environment variables the worker process hosting this model must start with (a library preloaded:
+        they act before the interpreter does), asked by the driver before it starts the process; none by
+        default."""
+        return {}
+
     # -- wiring done by the framework, before setup() -------------------------------------------------------
     def bind(self, module_args: ModelConfig, runtime_args: RuntimeConfig, replica_id: int, seed: int) -> None:
         """Attach configs; called on the actor before `setup`."""

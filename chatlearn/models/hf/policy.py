@@ -7,7 +7,7 @@ import torch
 from pydantic import Field, field_validator
 from transformers import LogitsProcessorList
 
-from chatlearn.config import ModelConfig
+from chatlearn.config import ModelConfig, RuntimeConfig
 from chatlearn.data.records import Records
 from chatlearn.models.hf.common import (
     HFModelArgs,
@@ -167,6 +167,9 @@ class PolicyInference(HFModule):
             stages=self._generate_in_stages if self.pipelined else None, args=self.args)
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.model.generation_config, self.args.stop_token_list,
                                              f"models.{self.name}.args_dict.stop_token_list")
+
+    def process_env(self, runtime_args: RuntimeConfig) -> dict[str, str]:
+        return self.rollout_engines[runtime_args.rollout_engine].process_env()
 
     def check_files(self, module_args: ModelConfig) -> list[str]:
         """The model files' problems, then the stop tokens' (each entry of `stop_token_list` one token of the

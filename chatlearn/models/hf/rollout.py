@@ -148,6 +148,12 @@ class RolloutEngine:
                 for field in other.own_args if field not in cls.own_args and args.get(field) is not None]
 
     @classmethod
+    def process_env(cls) -> dict[str, str]:
+        """Environment variables the policy's process must start with to run this engine (a library preloaded);
+        the driver starts the process with them. None by default."""
+        return {}
+
+    @classmethod
     def model_problems(cls, model: Any) -> list[str]:
         """What of the loaded ``model`` this engine cannot run (e.g. "the sliding-window attention
         (sliding_window 8)"); the policy's setup refuses the model with it, naming the model."""

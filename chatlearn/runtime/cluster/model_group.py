@@ -113,6 +113,9 @@ def start_workers(plan: PlacementPlan, node_ids: list[str], cfg: ChatLearnConfig
                     opts["name"] = name
                 if namespace:
                     opts["namespace"] = namespace
+                env = {k: v for m in p.models for k, v in modules[m].process_env(cfg.runtime).items()}
+                if env:  # merged by Ray with the run's own env_vars; set before the process's interpreter starts
+                    opts["runtime_env"] = {"env_vars": env}
                 worker = ray.remote(Worker).options(**opts)
                 workers.actors[p.id] = worker.remote(members, cfg.runtime, p.cpus, colocated)
                 workers.names[p.id] = name
