@@ -162,27 +162,39 @@ def test_the_policys_vllm_settings_reach_the_engine_and_one_that_cannot_start_is
         assert "kv_cache_space_gb" in message and said in message, message
 
 
-def test_the_engine_asks_for_intel_openmp_unless_the_environment_names_an_openmp():
+def test_the_engine_asks_for_intel_openmp_unless_the_run_was_started_with_an_openmp(monkeypatch):
     """vLLM's CPU build on x86 wants Intel's OpenMP preloaded: the policy's process is started with it (the stuck
-    engine's test below finds it mapped there), unless the run's own LD_PRELOAD already names an OpenMP."""
+    engine's test below finds it mapped there), before an LD_PRELOAD the run was started with, unless that one
+    names an OpenMP already. The rule reads the starting environment, not os.environ, which vLLM rewrites with
+    torch's libgomp once it ran in a process (here as it would be)."""
+    import sys
+
+    from chatlearn.models.hf import vllm_engine
+
+    lib = f"{sys.prefix}/lib/libiomp5.so"
+    monkeypatch.setenv("LD_PRELOAD", "torch/lib/libgomp.so.1")
+    for given, asked in [("", {"LD_PRELOAD": lib}), ("/opt/libtrace.so", {"LD_PRELOAD": f"{lib}:/opt/libtrace.so"}),
+                         (lib, {}), ("/usr/lib/libgomp.so.1", {})]:
+        monkeypatch.setattr(vllm_engine, "started_with", lambda name, given=given: given)
+        assert vllm_engine.VLLMEngine.process_env() == asked, given
+
+
+def test_started_with_is_the_environment_the_process_began_with():
+    """`started_with` reads the environment the process was started with: a variable changed or set since reads
+    as it was (unset: empty)."""
     import os
     import subprocess
     import sys
 
-    def asked(preload):
-        """What a driver started with LD_PRELOAD ``preload`` (None: unset) asks for, after vLLM's own rewrite of
-        its os.environ (as once vLLM ran in it)."""
-        code = ("import os; os.environ['LD_PRELOAD'] = 'torch/lib/libgomp.so.1'; "
-                "from chatlearn.models.hf.vllm_engine import VLLMEngine; print(VLLMEngine.process_env())")
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        if preload:
-            env["LD_PRELOAD"] = preload
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                              check=True).stdout.strip()
+    from tests.conftest import REPO
 
-    lib = f"{sys.prefix}/lib/libiomp5.so"
-    assert asked(None) == str({"LD_PRELOAD": lib})
-    assert asked(lib) == "{}"  # an OpenMP named already
+    code = ("import os; os.environ['CHATLEARN_PROBE'] = 'changed'; os.environ['CHATLEARN_LATER'] = 'set'; "
+            "from chatlearn.utils.environ import started_with; "
+            "print(repr((started_with('CHATLEARN_PROBE'), started_with('CHATLEARN_LATER'))))")
+    env = {k: v for k, v in os.environ.items() if k != "CHATLEARN_LATER"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, CHATLEARN_PROBE="as started"),
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+    assert out == repr(("as started", ""))
 
 
 # the Llama's policy (vLLM in it) in a process of its own, synced over the collective route (gloo broadcast); the

@@ -35,6 +35,7 @@ import torch
 
 from chatlearn.config.root import ChatLearnConfig
 from chatlearn.models.hf.rollout import Request, RolloutEngine, register_rollout_engine
+from chatlearn.utils.environ import started_with
 from chatlearn.utils.errors import RunError
 
 __all__ = ["VLLMEngine"]
@@ -46,17 +47,6 @@ def _seed(seed: int, sample_id: int, first_step: int = 0) -> int:
     """A request's seed: the run seed, the sample id and the response step it starts at (a later turn of a
     conversation, a partial rollout's next round), not its batch, slot or engine call."""
     return (((seed * 1_000_003 + sample_id) * 65_537) + first_step * 7_919) % (2**63 - 1)
-
-
-def started_with(name: str) -> str:
-    """The value of environment variable ``name`` this process was started with ("" if unset)."""
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            items = f.read().split(b"\0")
-    except OSError:  # not Linux: the environment as it is now
-        return os.environ.get(name, "")
-    prefix = name.encode() + b"="
-    return next((item[len(prefix):].decode() for item in items if item.startswith(prefix)), "")
 
 
 def _filters(get: Any) -> list[str]:
