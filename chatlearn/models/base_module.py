@@ -151,6 +151,11 @@ class BaseModule:
     def before_episode(self) -> None:
         """Hook run on every rank of every model before each episode (before generation)."""
 
+    def weights_synced(self) -> None:
+        """Hook run on every rank of an inference model right after a parameter sync wrote its weights, by either
+        route (a collective one or the object store), inside the sync stage: a copy of its own (the policy's
+        rollout engine) takes them now. Overriding it, not ``set_weights``, keeps the collective route."""
+
     def after_episode(self) -> None:
         """Hook run on every rank of every model after each episode (after its checkpoint and eval, as in
         ChatLearn HEAD; v1.0.2 ran it before them)."""

@@ -184,8 +184,7 @@ class PolicyInference(HFModule):
             return [str(exc)]
         return []
 
-    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        super().set_weights(weights)
+    def weights_synced(self) -> None:
         self.rollout.weights_synced()
 
     def build_dataset(self, prompts, is_eval=False):

@@ -174,6 +174,7 @@ class ModelHost:
 
     def set_weights(self, weights: Any) -> bool:
         self.module.set_weights(fetch(weights, self.runtime_args.stage_timeout_s))
+        self.module.weights_synced()
         return True
 
     @resident("weights", "optimizer")

@@ -176,11 +176,14 @@ class Worker:
         if process in route["members"] and group is None:
             raise RuntimeError(f"param sync {route['key']}: {process} is not in its sync group (not joined)")
         with self.marks.stage(f"{src}->{dst}", "sync_weights"):
-            return transfer(specs, group=group,
-                            sources=self.slots[src].module.sync_sources() if hosts_src else None,
-                            targets=self.slots[dst].module.sync_targets() if hosts_dst else None,
-                            comm=route["comm"], coalesce=route["coalesce"], max_bytes=route["bucket_bytes"],
-                            debug=route["debug"], staging=self.sync_staging.setdefault(route["key"], Staging()))
+            stats = transfer(specs, group=group,
+                             sources=self.slots[src].module.sync_sources() if hosts_src else None,
+                             targets=self.slots[dst].module.sync_targets() if hosts_dst else None,
+                             comm=route["comm"], coalesce=route["coalesce"], max_bytes=route["bucket_bytes"],
+                             debug=route["debug"], staging=self.sync_staging.setdefault(route["key"], Staging()))
+            if hosts_dst:
+                self.slots[dst].module.weights_synced()
+            return stats
 
     def copy_local(self, dst: str, src: str) -> bool:
         """Parameter sync between two models of this process: a plain copy, no serialization."""
