@@ -185,13 +185,6 @@ class Worker:
                 self.slots[dst].module.weights_synced()
             return stats
 
-    def copy_local(self, dst: str, src: str) -> bool:
-        """Parameter sync between two models of this process: a plain copy, no serialization."""
-        self._hand_over([src, dst], ("weights",))
-        with self.marks.stage(f"{src}->{dst}", "copy_local"):
-            self.slots[dst].module.set_weights(self.slots[src].module.get_weights())
-        return True
-
     def _hand_over(self, names: list[str], needs: tuple[str, ...]) -> None:
         for other, mm in self.memory.items():
             if other not in names:

@@ -26,7 +26,7 @@ from chatlearn.runtime.calls.waiting import wait
 # Model methods that make up a stage of the episode; anything else (setup, ping, checkpoint loading) is
 # not an episode's work and gets no range.
 _STAGE_OF = {"generate": "generate", "forward": "score", "train": "train", "save_checkpoint": "checkpoint",
-             "get_weights": "sync", "set_weights": "sync", "sync_weights": "sync", "copy_local": "sync"}
+             "get_weights": "sync", "set_weights": "sync", "sync_weights": "sync"}
 
 NVTX_NEEDS_CUDA = ("runtime.nsys=True: NVTX ranges need a CUDA build of torch; this one ({version}) has none, so "
                    "the model processes mark no ranges")
