@@ -5,8 +5,8 @@ and trainer replaced by a random-init model of Qwen2.5-0.5B's shapes (`bench/rol
 14 heads over 2 KV heads, tied, 151,936 vocabulary rows), bf16 where the CPU has it (float32 otherwise: emulated
 bf16 would measure the emulation), colocated in one process as the config has them. An episode: 4 prompts x 8
 samples, each response exactly 32 tokens (`min_new_tokens`), one optimizer step on the 32 in micro-batches of 8
-(`--micro-batch`; of 16 the vllm run's process passed Ray's memory limit on 24 GB in float32: vLLM's copy of the
-weights and its runtime are 3.5 GB above the others' peak); no eval, no checkpoint.
+(`--micro-batch`: with it the vllm run's process peaked at 19.3 GB of this machine's 24 in float32; 16, the
+earlier default, was not tried again after the sync fix of 25de7a7); no eval, no checkpoint but the last.
 
 Engines: `hf`, `continuous` (32 slots), `vllm` (the CPU build, Intel's OpenMP preloaded as a run does it) and
 `vllm-gomp` (vllm in a process on torch's own OpenMP: what the preload is worth). Rounds interleave the engines;
