@@ -215,6 +215,26 @@ def test_every_built_in_model_syncs_over_the_collective_route():
     assert [path for path, cls in classes.items() if not getattr(cls, "collective_sync", True)] == []
 
 
+def test_each_route_says_in_a_line_how_the_weights_travel():
+    """The line the run logs per (trainer, inference) pair at launch: colocated, mixed, separate, object store."""
+    from chatlearn.config import RuntimeConfig
+    from chatlearn.runtime.weights.sync import plan_route
+
+    rt = RuntimeConfig()
+    colocated = plan_route("ppo_policy", "policy", ["w0"], [["w0"]], True, rt)
+    assert colocated.describe() == ("ppo_policy->policy: an in-process copy (every receiving rank is in a trainer "
+                                    "process)")
+    mixed = plan_route("ppo_policy", "policy", ["w0", "w1"], [["w0", "w1"], ["w2", "w3"]], True, rt)
+    assert mixed.members == ["w0", "w2", "w3"]
+    assert mixed.describe() == ("ppo_policy->policy: broadcast over a group of 3 processes, 2 receiving ranks in a "
+                                "trainer process copying in-process")
+    freed = plan_route("t", "p", ["w0"], [["w1"]], True, RuntimeConfig(free_sync_collective_group=True,
+                                                                      param_sync_comm_type="p2p"))
+    assert freed.describe() == "t->p: p2p over a group of 2 processes (a group joined and left by each sync)"
+    own = plan_route("t", "p", ["w0"], [["w1"]], False, rt)
+    assert own.members == [] and own.describe() == "t->p: through Ray's object store"
+
+
 def test_a_sync_into_a_colocated_policy_copies_in_process_and_hands_its_engine_the_weights(tiny_model_dir):
     """The collective route between two models of one process (the trainer's weights into the policy, colocated):
     the policy's weights become the source's bit for bit, and its `weights_synced` hook runs once, inside the

@@ -191,6 +191,12 @@ def sync_routes_of(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers) 
             route.specs = check_specs(route, src_specs, dst_specs)
             if not route.free_group:
                 connect(route, by_name.__getitem__)
+            logger.info("param sync %s", route.describe())
+        else:  # a module's own get_weights/set_weights (`TorchModule.collective_sync`): say whose
+            own = [type(eng.modules[m]).__name__ for m in (src, dst)
+                   if not getattr(type(eng.modules[m]), "collective_sync", False)]
+            logger.info("param sync %s (%s overrides get_weights/set_weights without sync_sources/sync_targets)",
+                        route.describe(), " and ".join(own))
         routes.append(route)
     return routes
 

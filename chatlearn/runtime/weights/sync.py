@@ -50,6 +50,19 @@ class SyncRoute(BaseModel):
     timeout_s: float = SYNC_TIMEOUT_S
     specs: list[tuple[str, list[int], str]] = Field(default_factory=list, description="name, shape, dtype")
 
+    def describe(self) -> str:
+        """The route in a line, for the run's log: how the weights travel and between how many processes."""
+        if not self.collective:
+            return f"{self.key}: through Ray's object store"
+        receivers = [p for rep in self.dst_ranks for p in rep]
+        local = sum(p in self.src_ranks for p in receivers)
+        if not self.members:
+            return f"{self.key}: an in-process copy (every receiving rank is in a trainer process)"
+        line = f"{self.key}: {self.comm} over a group of {len(self.members)} processes"
+        if local:
+            line += f", {local} receiving rank{'s' * (local > 1)} in a trainer process copying in-process"
+        return line + (" (a group joined and left by each sync)" if self.free_group else "")
+
     @property
     def processes(self) -> list[str]:
         """Every process that takes part, each once, trainer first."""
