@@ -22,12 +22,19 @@ def on_one_gpu(models: list[str], free_memory: bool = False) -> list[str]:
     return out
 
 
-def timed_run(cmd: list[str], env: dict[str, str], what: str, timeout: float | None = None) -> float:
-    """Run `cmd` in the repository root; returns its wall seconds, exits (showing its stderr) on failure.
-    Past `timeout` seconds the command is killed and `subprocess.TimeoutExpired` raised."""
+def run_command(cmd: list[str], env: dict[str, str], timeout: float | None = None
+                ) -> tuple[float, subprocess.CompletedProcess]:
+    """Run `cmd` in the repository root, its output captured; returns its wall seconds and the finished process,
+    whatever its exit (a bench that records a failed run and goes on). Past `timeout` seconds the command is
+    killed and `subprocess.TimeoutExpired` raised."""
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
+    return time.perf_counter() - t0, proc
+
+
+def timed_run(cmd: list[str], env: dict[str, str], what: str, timeout: float | None = None) -> float:
+    """`run_command`, exiting (showing its stderr) on failure; returns its wall seconds."""
+    wall, proc = run_command(cmd, env, timeout)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"{what} failed with {proc.returncode}")

@@ -24,14 +24,13 @@ import glob
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from common import REPO, run_command  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 RESULT = REPO / "bench" / "results" / "real_size.json"
 ENGINES = ["hf", "continuous", "vllm", "vllm-gomp"]
@@ -66,9 +65,7 @@ def run(work: Path, model: Path, engine: str, episodes: int, bf16: bool, round_:
         env["LD_PRELOAD"] = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))[0]
     cmd = [str(REPO / ".venv" / "bin" / "chatlearn"), "train", f"runtime.output_dir={out}",
            *overrides(model, engine, episodes, bf16, exp, micro_batch)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, proc = run_command(cmd, env)  # a failed run is recorded, and the other engines' runs go on
     # the run's directory is `out` itself: output_dir ends with exp_name
     metrics = out / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
