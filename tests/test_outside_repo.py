@@ -101,7 +101,11 @@ def test_a_project_outside_the_repository_with_its_own_code_keeps_its_run_direct
     # line for the episode, a summary to end with
     assert "\r" not in first.stderr and "episodes:" not in first.stderr
     assert " | INFO " not in first.stderr and "Finished in state" not in first.stderr, first.stderr[-3000:]
-    assert "prefect.flow_runs - Flow run " in (run_dir / "chatlearn.log").read_text()
+    log = (run_dir / "chatlearn.log").read_text()
+    assert "prefect.flow_runs - Flow run " in log
+    # how the weights travel, in the log only: the policy's own class is colocated with the trainer
+    assert "chatlearn - param sync ppo_policy->policy: an in-process copy (every receiving rank is in a trainer " \
+           "process)" in log and "param sync" not in first.stderr
     assert [line for line in first.stdout.splitlines() if line.startswith("[episode ")] == [
         line for line in first.stdout.splitlines() if line.startswith("[episode 1/1] reward_mean=0.25 ")]
     summary = first.stderr.split("run summary\n", 1)[1].splitlines()

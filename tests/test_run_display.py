@@ -208,7 +208,7 @@ def test_a_two_episode_run_shows_curves_one_table_and_profiles(prefect_api, ray_
 # -- the terminal ------------------------------------------------------------------------------------------
 
 
-def test_prefects_info_lines_stay_off_the_terminal_unless_verbose(tmp_path, monkeypatch, request):
+def test_info_lines_stay_off_the_terminal_unless_verbose_and_go_to_the_log(tmp_path, monkeypatch, request):
     from prefect.logging.configuration import ensure_logging_setup
 
     from chatlearn.runtime.records.console import run_log
@@ -232,6 +232,7 @@ def test_prefects_info_lines_stay_off_the_terminal_unless_verbose(tmp_path, monk
                 logging.getLogger("prefect.task_runs").info("Finished in state Completed()")
                 logging.getLogger("prefect.flow_runs").warning("a flow run warning")
                 logging.getLogger("chatlearn").warning("our own line")
+                logging.getLogger("chatlearn").info("param sync a->b: an in-process copy")
         finally:
             root.removeHandler(console)
         return stream.getvalue().splitlines(), path.read_text()
@@ -239,7 +240,12 @@ def test_prefects_info_lines_stay_off_the_terminal_unless_verbose(tmp_path, monk
     lines, log = shown(False)
     assert lines == ["a flow run warning", "our own line"]
     assert "prefect.task_runs - Finished in state Completed()" in log  # the log file keeps everything
-    assert shown(True)[0] == ["Finished in state Completed()", "a flow run warning", "our own line"]
+    # ours too: our INFO lines (launch's routes, its start-up seconds) pass our logger, which the root's WARNING
+    # would stop, for the run's own duration
+    assert "chatlearn - param sync a->b: an in-process copy" in log
+    assert logging.getLogger("chatlearn").getEffectiveLevel() == logging.getLogger().getEffectiveLevel()
+    assert shown(True)[0] == ["Finished in state Completed()", "a flow run warning", "our own line",
+                              "param sync a->b: an in-process copy"]
 
 
 def test_without_a_terminal_each_episode_is_one_line_and_the_run_ends_with_a_summary(tmp_path, capsys):

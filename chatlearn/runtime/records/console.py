@@ -70,12 +70,13 @@ class FailureConsoleFilter(logging.Filter):
 
 
 class QuietConsoleFilter(logging.Filter):
-    """Keeps Prefect's INFO lines (a flow or task run began or finished, where to view it) off the terminal,
-    where they would scroll through the progress bar: they are in the UI and the log file. Its warnings and
-    errors still show; `chatlearn train --verbose` shows everything."""
+    """Keeps Prefect's INFO lines (a flow or task run began or finished, where to view it) and ours (how the
+    weights travel, start-up seconds) off the terminal, where they would scroll through the progress bar: they
+    are in the UI and the log file. Warnings and errors still show; `chatlearn train --verbose` shows
+    everything."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not record.name.startswith("prefect")
+        return record.levelno >= logging.WARNING or not record.name.startswith(("prefect", "chatlearn"))
 
 
 class _LogFormatter(logging.Formatter):
@@ -124,6 +125,11 @@ def run_log(run_dir: str | os.PathLike, verbose: bool = False) -> Iterator[Path]
     filters: list[logging.Filter] = [FailureConsoleFilter()] + ([] if verbose else [QuietConsoleFilter()])
     consoles = _console_handlers(root)
     root.addHandler(handler)
+    # our INFO lines for the file (and the terminal when verbose): the root's level (Prefect's WARNING) would
+    # stop them at our logger
+    level = logger.level
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
     for console in consoles:
         for f in filters:
             console.addFilter(f)
@@ -140,3 +146,4 @@ def run_log(run_dir: str | os.PathLike, verbose: bool = False) -> Iterator[Path]
                 console.removeFilter(f)
         root.removeHandler(handler)
         handler.close()
+        logger.setLevel(level)
