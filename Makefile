@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint docs bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak bench-memory bench-precision bench-episode-files bench-real-size gpu-smoke clean
+.PHONY: setup train test test-fast lint docs bench bench-sync bench-trl bench-async bench-overhead bench-growth bench-mfu bench-scaling bench-soak bench-memory bench-precision bench-episode-files bench-real-size bench-vllm-seeds gpu-smoke clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,10 @@ bench-trl: setup
 # GRPO on a model of Qwen2.5-0.5B's shapes per rollout engine (continuous, vllm with and without Intel's OpenMP)
 bench-real-size: setup
 	$(BIN)/python bench/real_size.py
+
+# configs/grpo_vllm.yaml's eval reward against the same config on `continuous`, three seeds each
+bench-vllm-seeds: setup
+	$(BIN)/python bench/vllm_seeds.py
 
 # the orchestration share of an episode: the full Prefect + Ray path against the same actors called directly
 bench-overhead: setup
