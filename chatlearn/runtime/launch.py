@@ -181,7 +181,10 @@ def sync_routes_of(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers) 
     routes = []
     for src, dst in eng.plan.sync:
         sg, dg = workers.groups[src], workers.groups[dst]
-        collective = all(getattr(type(eng.modules[m]), "collective_sync", False) for m in (src, dst))
+        # a module's own get_weights/set_weights (`TorchModule.collective_sync`) puts the pair on the object store
+        own = [type(eng.modules[m]).__name__ for m in (src, dst)
+               if not getattr(type(eng.modules[m]), "collective_sync", False)]
+        collective = not own
         route = plan_route(src, dst, [h.process for h in sg.replicas[0]],
                            [[h.process for h in rep] for rep in dg.replicas], collective, cfg.runtime)
         if collective:
@@ -191,12 +194,8 @@ def sync_routes_of(cfg: ChatLearnConfig, eng: ResolvedEngine, workers: Workers) 
             route.specs = check_specs(route, src_specs, dst_specs)
             if not route.free_group:
                 connect(route, by_name.__getitem__)
-            logger.info("param sync %s", route.describe())
-        else:  # a module's own get_weights/set_weights (`TorchModule.collective_sync`): say whose
-            own = [type(eng.modules[m]).__name__ for m in (src, dst)
-                   if not getattr(type(eng.modules[m]), "collective_sync", False)]
-            logger.info("param sync %s (%s overrides get_weights/set_weights without sync_sources/sync_targets)",
-                        route.describe(), " and ".join(own))
+        whose = f" ({' and '.join(own)} overrides get_weights/set_weights without sync_sources/sync_targets)"
+        logger.info("param sync %s%s", route.describe(), whose if own else "")
         routes.append(route)
     return routes
 

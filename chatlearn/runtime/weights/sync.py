@@ -54,10 +54,9 @@ class SyncRoute(BaseModel):
         """The route in a line, for the run's log: how the weights travel and between how many processes."""
         if not self.collective:
             return f"{self.key}: through Ray's object store"
-        receivers = [p for rep in self.dst_ranks for p in rep]
-        local = sum(p in self.src_ranks for p in receivers)
         if not self.members:
             return f"{self.key}: an in-process copy (every receiving rank is in a trainer process)"
+        local = sum(p in self.src_ranks for rep in self.dst_ranks for p in rep)
         line = f"{self.key}: {self.comm} over a group of {len(self.members)} processes"
         if local:
             line += f", {local} receiving rank{'s' * (local > 1)} in a trainer process copying in-process"
